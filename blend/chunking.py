@@ -1,0 +1,201 @@
+"""Prompts as sequences of separately tokenized chunks.
+
+Every chunk is tokenized ALONE (no special tokens added) and the token lists are
+concatenated, on the cached and the uncached paths alike. A passage therefore has the
+same tokens wherever it appears, which is what lets its KV (and its key, which hashes only
+its own tokens) be reused at any position. The price: the token sequence can differ from
+tokenizing the whole prompt string at once at chunk boundaries (BPE merges across a
+boundary do not happen); it decodes to the same text, and the model sees the same
+sequence whether or not blending is used, because both paths chunk the same way.
+Tokenizers that prepend a dummy-prefix space to every encoded string (sentencepiece
+"add_dummy_prefix", e.g. Llama-2) would insert that space at every chunk start; the
+byte-level BPE tokenizers of Llama-3/SmolLM2 do not.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+log = logging.getLogger(__name__)
+
+_KEY_DOMAIN = b"blend-chunk-v1\x00"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    tokens: tuple[int, ...]
+    reusable: bool
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def encode(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """Token ids of ``text`` alone, no special tokens added (special-token TEXT in ``text``
+    such as "<|im_start|>" is still recognised, as in a full rendering).
+    Works with transformers tokenizers and raw ``tokenizers.Tokenizer`` objects."""
+    out = tokenizer.encode(text, add_special_tokens=False)
+    ids = out.ids if hasattr(out, "ids") else out
+    return tuple(int(t) for t in ids)
+
+
+def tokenize_chunks(tokenizer: Any, texts: Sequence[str], reusable: Sequence[bool] | None = None) -> list[Chunk]:
+    """One Chunk per text, each tokenized alone; ``reusable`` defaults to all True."""
+    if reusable is None:
+        reusable = [True] * len(texts)
+    if len(reusable) != len(texts):
+        raise ValueError(f"{len(texts)} texts but {len(reusable)} reusable flags")
+    return [Chunk(t, encode(tokenizer, t), bool(r)) for t, r in zip(texts, reusable)]
+
+
+def split_by_separator(text: str, separator: str) -> list[str]:
+    """Split a /v1/completions prompt at ``separator`` (``--blend-separator``).
+
+    The separator is a pure boundary marker: it is REMOVED, and empty pieces are dropped.
+    The model sees the concatenation of the pieces, each tokenized alone, so the separator
+    can neither change a neighbour's tokenization nor be tokenized differently mid-text
+    (LMCache issue #1136, where the separator was matched on token ids). Whitespace that
+    should separate passages belongs inside the pieces.
+    """
+    if not separator:
+        raise ValueError("separator must be a non-empty string")
+    return [piece for piece in text.split(separator) if piece]
+
+
+def chunk_tokens(chunks: Sequence[Chunk]) -> list[int]:
+    """The prompt's token ids: the chunks' tokens concatenated."""
+    return [t for c in chunks for t in c.tokens]
+
+
+def chunk_spans(chunks: Sequence[Chunk]) -> tuple[list[int], list[int]]:
+    """(starts, lens) of each chunk in the concatenated token sequence."""
+    starts, lens, pos = [], [], 0
+    for c in chunks:
+        starts.append(pos)
+        lens.append(len(c.tokens))
+        pos += len(c.tokens)
+    return starts, lens
+
+
+def chunk_key(tokens: Sequence[int], model_id: str, salt: bytes = b"") -> bytes:
+    """Position-independent 16-byte key of a chunk: xxh3_128 of the model id, the salt and
+    the chunk's own token ids (length-prefixed fields), never of anything preceding it."""
+    mid = model_id.encode("utf-8")
+    salt = bytes(salt)
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError("tokens must be a flat sequence of ints")
+    h = xxhash.xxh3_128()
+    h.update(_KEY_DOMAIN)
+    for field in (mid, salt):
+        h.update(struct.pack("<Q", len(field)))
+        h.update(field)
+    h.update(struct.pack("<Q", ids.size))
+    h.update(ids.astype("<i8").tobytes())
+    return h.digest()
+
+
+def _message_parts(message: dict) -> list[str]:
+    content = message.get("content")
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only {{'type': 'text', 'text': str}} content parts are supported, got {part!r}")
+            parts.append(part["text"])
+        return parts
+    raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def flatten_messages(messages: Sequence[dict], part_separator: str = "\n") -> list[dict]:
+    """Messages with list-of-text-parts content joined into one string by ``part_separator``
+    (the form string-content chat templates such as ChatML expect)."""
+    out = []
+    for m in messages:
+        m2 = dict(m)
+        if isinstance(m.get("content"), list):
+            m2["content"] = part_separator.join(_message_parts(m))
+        out.append(m2)
+    return out
+
+
+def render_chat_chunks(
+    tokenizer: Any,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    part_separator: str = "\n",
+    **template_kwargs: Any,
+) -> list[Chunk]:
+    """Chat prompt as chunks: each message's content (each text part of a list content)
+    is its own reusable chunk; the template's framing text between them (role headers,
+    "<|im_end|>\\n", a default system prompt, the generation prompt, the ``part_separator``
+    between parts) forms small non-reusable chunks.
+
+    Framing is kept apart rather than glued to the content so a passage's key and tokens do
+    not depend on its role or on what the template writes around it; framing is a few tokens
+    and is recomputed. How: the template is rendered once with a unique sentinel in place of
+    every content part, the rendering is cut at the sentinels, and the result is checked
+    against the real rendering. A template that transforms content (trim, escaping, ...)
+    fails that check; the whole prompt then becomes one non-reusable chunk (logged).
+    Empty content produces no chunk. The concatenated chunk texts always equal the
+    template's rendering of ``flatten_messages(messages, part_separator)``.
+    """
+    parts = [_message_parts(m) for m in messages]
+    real_msgs = flatten_messages(messages, part_separator)
+
+    def render(msgs: list[dict]) -> str:
+        out = tokenizer.apply_chat_template(
+            msgs,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **template_kwargs,
+        )
+        if not isinstance(out, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(out).__name__}")
+        return out
+
+    real = render(real_msgs)
+    nonce = secrets.token_hex(8)
+    sentinels: dict[str, str] = {}
+    sentinel_msgs = []
+    for i, (m, ps) in enumerate(zip(messages, parts)):
+        m2 = dict(m)
+        if m.get("content") is not None:
+            names = []
+            for j, text in enumerate(ps):
+                name = f"\ue000{nonce}:{i}:{j}\ue001"
+                sentinels[name] = text
+                names.append(name)
+            m2["content"] = part_separator.join(names)
+        sentinel_msgs.append(m2)
+    pieces = re.split(f"(\ue000{nonce}:[0-9]+:[0-9]+\ue001)", render(sentinel_msgs))
+
+    # pieces alternate framing, sentinel, framing, ... ; every sentinel must appear once, in order.
+    found = pieces[1::2]
+    spliced = "".join(sentinels.get(p, p) if k % 2 else p for k, p in enumerate(pieces))
+    if found != list(sentinels) or spliced != real:
+        log.warning("chat template does not render message content verbatim; prompt not chunked")
+        return [Chunk(real, encode(tokenizer, real), False)]
+
+    chunks = []
+    for k, piece in enumerate(pieces):
+        text, reusable = (sentinels[piece], True) if k % 2 else (piece, False)
+        if text:
+            chunks.append(Chunk(text, encode(tokenizer, text), reusable))
+    return chunks
