@@ -1,0 +1,99 @@
+"""Engine throughput on the bundled SmolLM2 against transformers running the same weights, in one run.
+
+Prefill tokens/s (one prompt) and decode tokens/s at batch 1 and 8. Prints JSON lines.
+    .venv/bin/python -m benchmarks.bench_engine [--prefill-lens 512,2048] [--decode-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from reuse_server.config import EngineConfig
+from reuse_server.engine import LLMEngine
+from reuse_server.model.loader import resolve_model
+from reuse_server.sampling_params import CacheOptions, SamplingParams
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def prompt_of(n: int, salt: int) -> list[int]:
+    g = torch.Generator().manual_seed(salt)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def ours_prefill(engine: LLMEngine, n: int, salt: int) -> float:
+    engine.add_request(f"p{salt}", prompt_of(n, salt), SamplingParams(max_tokens=1, temperature=0.0),
+                       CacheOptions(prefix_cache=False))
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
+@torch.inference_mode()
+def hf_prefill(model, n: int, salt: int) -> float:
+    ids = torch.tensor([prompt_of(n, salt)])
+    t = time.perf_counter()
+    model(ids, use_cache=False, logits_to_keep=1)
+    return time.perf_counter() - t
+
+
+def ours_decode(engine: LLMEngine, batch: int, context: int, new: int) -> float:
+    params = SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
+    for b in range(batch):
+        engine.add_request(f"d{batch}-{b}", prompt_of(context, 1000 + b), params, CacheOptions(prefix_cache=False))
+    # prefill everything (each request samples its first token), then time the decode steps alone
+    while any(s.num_computed < len(s.prompt_ids) for s in engine.seqs.values()):
+        engine.step()
+    t = time.perf_counter()
+    produced = 0
+    while engine.has_work():
+        produced += len(engine.step())
+    return produced / (time.perf_counter() - t)
+
+
+@torch.inference_mode()
+def hf_decode(model, batch: int, context: int, new: int) -> float:
+    ids = torch.tensor([prompt_of(context, 1000 + b) for b in range(batch)])
+    out = model(ids, use_cache=True)
+    past = out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+    t = time.perf_counter()
+    for _ in range(new):
+        out = model(token, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+    return batch * new / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill-lens", default="512,2048")
+    ap.add_argument("--decode-context", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    path = resolve_model(None)
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=8192, max_num_seqs=16, kv_cache_memory=1 << 30))
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    for n in [int(x) for x in args.prefill_lens.split(",")]:
+        ours = min(ours_prefill(engine, n, 10 * n + r) for r in range(args.repeats))
+        ref = min(hf_prefill(hf, n, 10 * n + r) for r in range(args.repeats))
+        emit(bench="prefill", tokens=n, ours_tok_s=round(n / ours, 1), transformers_tok_s=round(n / ref, 1),
+             ratio=round(ref / ours, 2))
+    for batch in (1, 8):
+        ours = ours_decode(engine, batch, args.decode_context, args.decode_tokens)
+        ref = hf_decode(hf, batch, args.decode_context, args.decode_tokens)
+        emit(bench="decode", batch=batch, context=args.decode_context, ours_tok_s=round(ours, 1),
+             transformers_tok_s=round(ref, 1), ratio=round(ours / ref, 2))
+
+
+if __name__ == "__main__":
+    main()

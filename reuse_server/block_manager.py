@@ -1,0 +1,101 @@
+"""Sequences' KV blocks on top of the radix cache, which alone owns block state.
+
+A sequence's block table starts with blocks it matched in the tree (kept alive by locking the matched
+node), followed by blocks it owns outright. As its full blocks get computed they are published to the
+tree, which takes ownership; the sequence then locks the deeper node instead.
+"""
+from __future__ import annotations
+
+from radix import OutOfBlocks, RadixCache
+
+from reuse_server.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True) -> None:
+        self.cache = cache
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+
+    def _caches(self, seq: Sequence) -> bool:
+        return self.enable_prefix_cache and seq.uses_prefix_cache
+
+    def peek_cached(self, seq: Sequence) -> int:
+        """Tokens of seq a match would serve now, without counting it as a query."""
+        if not self._caches(seq):
+            return 0
+        return self.cache.match(self._matchable(seq), seq.extra_key, record_stats=False).num_tokens
+
+    def _matchable(self, seq: Sequence) -> list[int]:
+        # The last token is always computed: its logits start generation.
+        return seq.token_ids[: seq.num_tokens - 1]
+
+    def admit(self, seq: Sequence, first_chunk_tokens: int) -> bool:
+        """Match seq's prefix, lock it, and allocate blocks for the first chunk. False (nothing held) if
+        the pool cannot take it now."""
+        assert not seq.block_table and seq.node is None
+        if self._caches(seq):
+            match = self.cache.match(self._matchable(seq), seq.extra_key, record_stats=seq.cached_tokens is None)
+            self.cache.lock(match.node)
+            seq.node = match.node
+            seq.block_table = list(match.block_ids)
+            seq.num_computed = match.num_tokens
+            seq.num_inserted_blocks = len(match.block_ids)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = seq.num_computed
+        chunk = min(first_chunk_tokens, seq.num_tokens - seq.num_computed)
+        if not self.ensure_capacity(seq, seq.num_computed + chunk):
+            self.release(seq)
+            return False
+        return True
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to hold num_tokens positions. False (and nothing taken) if it cannot."""
+        need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        try:
+            new = self.cache.allocate(need)
+        except OutOfBlocks:
+            return False
+        seq.block_table.extend(new)
+        seq.owned.update(new)
+        return True
+
+    def publish(self, seq: Sequence) -> None:
+        """Hand seq's computed full blocks to the radix tree (so concurrent and later requests hit them)."""
+        if not self._caches(seq):
+            return
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_inserted_blocks:
+            return
+        tokens = seq.token_ids[: full * self.block_size]
+        result = self.cache.insert(tokens, seq.block_table[:full], seq.extra_key)
+        self.cache.lock(result.node)
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+        seq.node = result.node
+        seq.owned.difference_update(result.inserted_block_ids)
+        if result.duplicate_block_ids:
+            # Another sequence published the same blocks first: use the tree's copies, free ours.
+            tree_blocks = self.cache.match(tokens, seq.extra_key, record_stats=False).block_ids
+            seq.block_table[:full] = tree_blocks
+            seq.owned.difference_update(result.duplicate_block_ids)
+            self.cache.free(result.duplicate_block_ids)
+        seq.num_inserted_blocks = full
+
+    def release(self, seq: Sequence) -> None:
+        """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached."""
+        if seq.owned:
+            self.cache.free(sorted(seq.owned))
+            seq.owned.clear()
+        if seq.node is not None:
+            self.cache.unlock(seq.node)
+            seq.node = None
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_inserted_blocks = 0

@@ -1,0 +1,22 @@
+"""Engine settings, one place; the CLI fills it from flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # bundled name, a .gguf file, or an HF checkpoint folder; None: the bundled SmolLM2
+    served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    max_num_seqs: int = 16  # running sequences at once
+    max_num_batched_tokens: int = 2048  # token budget per scheduler step (chunked prefill)
+    max_model_len: int | None = None  # default: the model's max positions
+    enable_prefix_cache: bool = True
+    hash_algo: str = "xxh3_128"
+    eviction_policy: str = "lru"
+    seed: int = 0

@@ -1,0 +1,222 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from radix import RadixCache
+
+from reuse_server.block_manager import BlockManager, blocks_for
+from reuse_server.config import EngineConfig
+from reuse_server.detokenizer import IncrementalDetokenizer
+from reuse_server.kv_pool import KVPool
+from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
+from reuse_server.outputs import RequestOutput, TokenLogprob
+from reuse_server.runner import ModelRunner
+from reuse_server.sampler import Sampler, top_logprobs
+from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.scheduler import Scheduler
+from reuse_server.sequence import SeqStatus, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
+        self.tokenizer = load_tokenizer(path)
+        self.model_id = config.served_model_name or _default_model_id(config.model)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+        bs = config.block_size
+        if config.num_gpu_blocks:
+            num_blocks = config.num_gpu_blocks
+        else:
+            per_block = KVPool.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads, mc.head_dim, dtype)
+            num_blocks = config.kv_cache_memory // per_block
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
+        self.kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, config.device)
+        self.cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, seed=config.seed, policy=config.eviction_policy)
+        self.blocks = BlockManager(self.cache, bs, config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, bs, config.device)
+        self.sampler = Sampler()
+        self.eos_ids = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.vocab_size = mc.vocab_size
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.metrics = None  # ServerMetrics, attached by the server
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
+                             blended_tokens=0, recomputed_tokens=0)
+
+    # ---- requests -------------------------------------------------------------------------
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence the engine can hold: the context, or the whole KV pool if smaller."""
+        return min(self.max_model_len, self.kv.num_blocks * self.config.block_size)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("The prompt is empty.", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"Token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1}).", "prompt")
+        limit = self.max_sequence_tokens
+        if len(prompt_ids) >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for a completion.",
+                None, "context_length_exceeded")
+        params.validate()
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                "max_tokens", "context_length_exceeded")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    cache: CacheOptions | None = None, arrival: float | None = None) -> Sequence:
+        self.validate(prompt_ids, params)
+        if request_id in self.seqs:
+            raise InvalidRequest(f"Duplicate request id {request_id!r}.")
+        seq = Sequence(request_id, list(prompt_ids), params, cache or CacheOptions())
+        if arrival is not None:
+            seq.arrival = arrival
+        self.seqs[request_id] = seq
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        return self._finish(seq, [], "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        for c in chunks:
+            if not c.seq.counted:
+                self._count_admission(c.seq)
+        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in chunks]
+        logits = self.runner.run(chunks, want)
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+            self.blocks.publish(c.seq)
+        sampled = [c.seq for c, w in zip(chunks, want) if w]
+        if not sampled:
+            return []
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+        outputs = []
+        for row, (seq, token) in enumerate(zip(sampled, tokens)):
+            outputs.append(self._append_token(seq, token, logits[row]))
+        return outputs
+
+    def _count_admission(self, seq: Sequence) -> None:
+        seq.counted = True
+        n = len(seq.prompt_ids)
+        self.counters["prompt_tokens"] += n
+        if self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
+            self.counters["prefix_query_tokens"] += n
+            self.counters["prefix_hit_tokens"] += seq.cached_tokens - seq.blended_tokens
+        self.counters["blended_tokens"] += seq.blended_tokens
+        self.counters["recomputed_tokens"] += seq.recomputed_tokens
+
+    def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> RequestOutput:
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.observe_ttft(now - seq.arrival)
+        seq.output_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        p = seq.params
+        lp = None
+        if p.logprobs is not None:
+            chosen, top = top_logprobs(logits_row, token, p.logprobs)
+            lp = [TokenLogprob(token, self._piece(token), chosen, [(t, self._piece(t), v) for t, v in top])]
+        detok = self.detoks[seq.request_id]
+        is_eos = token in self.eos_ids and not p.ignore_eos
+        if is_eos or token in p.stop_token_ids:
+            new_text = detok.flush()
+            seq.finish_reason = "stop"
+        else:
+            new_text = detok.add(seq.output_ids)
+            if detok.stopped:
+                seq.finish_reason = "stop"
+                new_text += detok.flush()
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_sequence_tokens:
+                seq.finish_reason = "length"
+                new_text += detok.flush()
+        if seq.finish_reason is not None:
+            return self._finish(seq, [token], new_text, lp)
+        return self._output(seq, [token], new_text, False, lp)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _finish(self, seq: Sequence, new_ids: list[int], new_text: str, lp=None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.seqs.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+        self.sampler.forget(seq.request_id)
+        if self.metrics is not None:
+            self.metrics.observe_request(time.monotonic() - seq.arrival, seq.finish_reason)
+        return self._output(seq, new_ids, new_text, True, lp)
+
+    @staticmethod
+    def _output(seq: Sequence, new_ids: list[int], new_text: str, finished: bool, lp) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
+            finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=len(seq.prompt_ids),
+            num_output_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0,
+            blended_tokens=seq.blended_tokens, recomputed_tokens=seq.recomputed_tokens, logprobs=lp)
+
+    # ---- observability --------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        stats = self.cache.stats()
+        return dict(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            free_blocks=stats.free_blocks, evictable_blocks=stats.evictable_blocks,
+            in_use_blocks=stats.in_use_blocks, total_blocks=stats.total_blocks,
+            evicted_blocks=stats.evicted_blocks, preemptions=self.scheduler.num_preemptions,
+            **self.counters,
+        )
+
+
+def _default_model_id(model: str | None) -> str:
+    if model is None or model.lower() in BUNDLED_NAMES:
+        return "SmolLM2-135M-Instruct"
+    name = Path(model.rstrip("/")).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+BUNDLED_NAMES = {"smollm2", "smollm2-135m-instruct", "bundled"}

@@ -1,0 +1,27 @@
+"""What the engine reports back for a request, one increment at a time."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token id, text, logprob)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]  # generated since the previous output of this request
+    new_text: str  # detokenized text since the previous output (stop strings already cut)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from cache (prefix hits + blended)
+    blended_tokens: int = 0  # reused from the chunk index, not recomputed
+    recomputed_tokens: int = 0  # reused but recomputed by selection
+    logprobs: list[TokenLogprob] | None = None

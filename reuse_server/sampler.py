@@ -1,0 +1,61 @@
+"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+from __future__ import annotations
+
+import torch
+
+from reuse_server.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed(params.seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """logits: [N, vocab] fp32 on any device; returns one token id per row."""
+        logits = logits.float().cpu()
+        out: list[int] = []
+        greedy = logits.argmax(dim=-1).tolist()
+        for row, (rid, p) in enumerate(zip(request_ids, params)):
+            if p.greedy:
+                out.append(greedy[row])
+                continue
+            out.append(self._sample_row(logits[row], p, self._generator(rid, p)))
+        return out
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # keep the smallest set whose mass reaches top_p (the token that crosses it stays)
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of the chosen token and the k most likely alternatives, from the raw logits."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = float(logp[token_id])
+    if k <= 0:
+        return chosen, []
+    values, ids = torch.topk(logp, k)
+    return chosen, list(zip(ids.tolist(), values.tolist()))

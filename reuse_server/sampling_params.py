@@ -1,0 +1,66 @@
+"""What a request asks of generation. Validated here so every entry point rejects the same bad input."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """Bad input a client can fix: the API turns it into a 400 with an OpenAI-style error."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token; None: no logprobs
+    include_stop_str_in_output: bool = False
+
+    def validate(self, max_new_tokens_allowed: int | None = None) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
+        if max_new_tokens_allowed is not None and self.max_tokens > max_new_tokens_allowed:
+            raise InvalidRequest(
+                f"max_tokens is {self.max_tokens}, but the prompt leaves room for at most "
+                f"{max_new_tokens_allowed} new tokens in the model's context.",
+                "max_tokens",
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}.", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (disabled) or positive, got {self.top_k}.", "top_k")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequest(f"logprobs must be in [0, 20], got {self.logprobs}.", "logprobs")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequest("seed must be a 64-bit integer.", "seed")
+        if len(self.stop) > 4:
+            raise InvalidRequest("At most 4 stop sequences are allowed.", "stop")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequest("Stop sequences must not be empty.", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class CacheOptions:
+    """Per-request cache controls (request body extensions)."""
+
+    prefix_cache: bool = True  # False: neither read nor write the prefix cache (a baseline)
+    cache_salt: str | None = None  # tenant isolation: salted requests share blocks only with the same salt
+    blend: bool | None = None  # None: server default
+    recompute_ratio: float | None = None

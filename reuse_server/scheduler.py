@@ -1,0 +1,108 @@
+"""Continuous batching with chunked prefill under a token budget per step.
+
+Each step: running sequences in decode take one token each (preempting the most recently admitted
+sequences when blocks run out), prefilling ones take a chunk, and waiting ones are admitted while the
+budget, the sequence cap and the pool allow. Waiting requests go longest-cached-prefix first (their
+prefill is cheapest and their cached blocks are the likeliest to be evicted if they wait), except that
+anyone passed over too often goes first, so nothing starves.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from reuse_server.block_manager import BlockManager
+from reuse_server.sequence import SeqStatus, Sequence
+
+CACHE_AWARE_QUEUE_LIMIT = 128  # beyond this, matching every waiting prompt each step costs too much: FCFS
+MAX_SKIPS = 8
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, from seq.num_computed
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues and give back its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledChunk] = []
+
+        # Running sequences, oldest first; the newest are the ones preempted under pressure.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.ensure_capacity(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.append(ScheduledChunk(seq, n))
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted; the loop index now points at the next one
+
+        # Admit waiting sequences.
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.blocks.admit(seq, budget):
+                break  # the pool is full: wait for blocks to come back
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.append(ScheduledChunk(seq, n))
+            budget -= n
+        return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        queue = list(self.waiting)
+        if len(queue) <= 1 or len(queue) > CACHE_AWARE_QUEUE_LIMIT:
+            return queue
+        starved = [s for s in queue if s.skipped >= MAX_SKIPS or s.num_preemptions]
+        rest = [s for s in queue if not (s.skipped >= MAX_SKIPS or s.num_preemptions)]
+        cached = {id(s): self.blocks.peek_cached(s) for s in rest}
+        rest.sort(key=lambda s: (-cached[id(s)], s.arrival))
+        order = starved + rest
+        # everyone behind someone who arrived later was passed over once
+        latest_ahead = float("-inf")
+        for seq in order:
+            if latest_ahead > seq.arrival:
+                seq.skipped += 1
+            latest_ahead = max(latest_ahead, seq.arrival)
+        return order

@@ -1,0 +1,150 @@
+"""Prefix reuse must change nothing but the work done: same logits, same greedy text, honest cached_tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reuse_server.config import EngineConfig
+from reuse_server.engine import LLMEngine
+from reuse_server.sampling_params import CacheOptions, SamplingParams
+from tiny_checkpoint import write_tiny_checkpoint
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=1)
+
+
+def make_engine(path, prefix=True, **kw) -> LLMEngine:
+    cfg = dict(model=str(path), block_size=BS, num_gpu_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+               enable_prefix_cache=prefix)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def run_to_end(engine: LLMEngine, requests: list[tuple[str, list[int]]], max_tokens=6, after_each_step=None):
+    """Submit all requests at once; return request id -> (output ids, per-token top logprobs, last output)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True)
+    for rid, prompt in requests:
+        engine.add_request(rid, prompt, params)
+    results = {rid: ([], [], None) for rid, _ in requests}
+    while engine.has_work():
+        for out in engine.step():
+            ids, lps, _ = results[out.request_id]
+            ids.extend(out.new_token_ids)
+            lps.extend(out.logprobs or [])
+            results[out.request_id] = (ids, lps, out)
+        if after_each_step:
+            after_each_step(engine)
+    return results
+
+
+def run_one_by_one(engine, requests, **kw):
+    merged = {}
+    for rid, prompt in requests:
+        merged.update(run_to_end(engine, [(rid, prompt)], **kw))
+    return merged
+
+
+def shared_prefix_prompts(rng: random.Random, vocab: int, n: int) -> list[tuple[str, list[int]]]:
+    stem = [rng.randrange(3, vocab) for _ in range(rng.randrange(5, 30))]
+    out = []
+    for i in range(n):
+        cut = rng.randrange(0, len(stem) + 1)
+        tail = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 12))]
+        out.append((f"r{i}", stem[:cut] + tail))
+    return out
+
+
+def assert_logprobs_close(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_id == y.token_id
+        assert abs(x.logprob - y.logprob) <= 1e-4 * max(1.0, abs(y.logprob))
+        for (ta, _, va), (tb, _, vb) in zip(x.top, y.top):
+            assert abs(va - vb) <= 1e-4 * max(1.0, abs(vb))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_on_and_off_agree(checkpoint, seed):
+    rng = random.Random(seed)
+    on = make_engine(checkpoint, prefix=True)
+    off = make_engine(checkpoint, prefix=False)
+    prompts = shared_prefix_prompts(rng, on.vocab_size, 6)
+    got_on = run_one_by_one(on, prompts)
+    got_off = run_one_by_one(off, prompts)
+    hits = 0
+    for rid, _ in prompts:
+        ids_on, lp_on, out_on = got_on[rid]
+        ids_off, lp_off, out_off = got_off[rid]
+        assert ids_on == ids_off
+        assert_logprobs_close(lp_on, lp_off)
+        assert out_off.cached_tokens == 0
+        hits += out_on.cached_tokens
+    assert on.snapshot()["prefix_hit_tokens"] == hits
+    assert off.snapshot()["in_use_blocks"] == on.snapshot()["in_use_blocks"] == 0
+
+
+def test_second_request_reports_shared_full_blocks(checkpoint):
+    engine = make_engine(checkpoint)
+    rng = random.Random(7)
+    shared = [rng.randrange(3, engine.vocab_size) for _ in range(23)]  # 5 full blocks + 3 tokens
+    first = shared + [5, 6, 7]
+    second = shared + [9, 9]
+    a = run_one_by_one(engine, [("a", first), ("b", second)])
+    assert a["a"][2].cached_tokens == 0
+    # Only full blocks are shared: 23 shared tokens -> 5 blocks of 4 = 20 tokens.
+    assert a["b"][2].cached_tokens == 20
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(checkpoint):
+    engine = make_engine(checkpoint)
+    prompt = list(range(3, 3 + 4 * BS))  # exactly 4 blocks
+    first = run_one_by_one(engine, [("a", prompt)])
+    second = run_one_by_one(engine, [("b", prompt)])
+    assert first["a"][0] == second["b"][0]
+    # the last block is recomputed to produce logits: 3 of 4 blocks are hits
+    assert second["b"][2].cached_tokens == 3 * BS
+
+
+def test_chunked_prefill_gives_the_same_tokens(checkpoint):
+    rng = random.Random(3)
+    big = make_engine(checkpoint, prefix=False, max_num_batched_tokens=512)
+    small = make_engine(checkpoint, prefix=False, max_num_batched_tokens=5)
+    prompts = [(f"r{i}", [rng.randrange(3, big.vocab_size) for _ in range(rng.randrange(10, 40))]) for i in range(4)]
+    a = run_to_end(big, prompts)
+    b = run_to_end(small, prompts)
+    for rid, _ in prompts:
+        assert a[rid][0] == b[rid][0]
+        assert_logprobs_close(a[rid][1], b[rid][1])
+
+
+def test_salted_requests_do_not_share(checkpoint):
+    engine = make_engine(checkpoint)
+    prompt = list(range(3, 3 + 5 * BS))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    seen = {}
+    for rid, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1")]:
+        engine.add_request(rid, prompt, params, CacheOptions(cache_salt=salt))
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished:
+                    seen[rid] = out.cached_tokens
+    assert seen == {"a": 0, "b": 0, "c": 4 * BS}
+
+
+def test_per_request_opt_out_neither_reads_nor_writes(checkpoint):
+    engine = make_engine(checkpoint)
+    prompt = list(range(3, 3 + 5 * BS))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    seen = {}
+    for rid, use in [("a", False), ("b", True), ("c", False), ("d", True)]:
+        engine.add_request(rid, prompt, params, CacheOptions(prefix_cache=use))
+        while engine.has_work():
+            for out in engine.step():
+                if out.finished:
+                    seen[rid] = out.cached_tokens
+    assert seen == {"a": 0, "b": 0, "c": 0, "d": 4 * BS}
