@@ -1,0 +1,82 @@
+"""POST /v1/chat/completions."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from reuse_server.api.chat_template import render_chat_prompt
+from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
+                                         sampling_params, sse_events, usage_from)
+from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
+                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                       ChatTokenLogprob, DeltaMessage, TopLogprob)
+from reuse_server.outputs import RequestOutput, TokenLogprob
+from reuse_server.sampling_params import InvalidRequest
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
+    return ChatChoiceLogprobs(content=[
+        ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()), top_logprobs=[
+            TopLogprob(token=text, logprob=value, bytes=list(text.encode())) for _, text, value in lp.top])
+        for lp in logprobs])
+
+
+def requested_logprobs(body: ChatCompletionRequest) -> int | None:
+    """Chat's (logprobs: bool, top_logprobs: int) as the engine's single 'how many alternatives' number."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
+    check_model(body, engine.model_id)
+    check_common(body)
+    logprobs = requested_logprobs(body)
+    prompt_ids = render_chat_prompt(engine.tokenizer, body.messages)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
+        max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+    params = sampling_params(body, max_tokens, logprobs)
+    engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = chat_chunks(outputs, request_id, created, engine.model_id, include_usage, logprobs is not None)
+        return SSEResponse(sse_events(chunks, outputs))
+
+    results = await collect(outputs, request)
+    last = results[-1]
+    choice_logprobs = None
+    if logprobs is not None:
+        choice_logprobs = chat_logprobs([lp for out in results for lp in out.logprobs or []])
+    response = ChatCompletionResponse(
+        id=request_id, created=created, model=engine.model_id, usage=usage_from(last),
+        choices=[ChatChoice(message=AssistantMessage(content="".join(out.new_text for out in results)),
+                            logprobs=choice_logprobs, finish_reason=last.finish_reason)])
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def chat_chunks(outputs: AsyncIterator[RequestOutput], request_id: str, created: int, model: str,
+                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
+            ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    last = None
+    async for out in outputs:
+        last = out
+        if out.new_text or out.logprobs:
+            logprobs = chat_logprobs(out.logprobs or []) if want_logprobs else None
+            yield chunk(DeltaMessage(content=out.new_text), logprobs=logprobs)
+        if out.finished:
+            yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
+    if include_usage and last is not None:
+        yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage_from(last))

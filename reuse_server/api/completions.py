@@ -1,0 +1,89 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
+                                         sampling_params, sse_events, usage_from)
+from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from reuse_server.outputs import RequestOutput, TokenLogprob
+from reuse_server.sampling_params import InvalidRequest
+
+
+def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise InvalidRequest(
+                f"Batched prompts are not supported: got {len(prompt)} prompts; send one prompt per request.",
+                "prompt")
+        prompt = prompt[0]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise InvalidRequest("The prompt is empty.", "prompt")
+    return ids
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; text offsets count from the start of the generated text."""
+    result = CompletionLogprobs()
+    for lp in logprobs:
+        result.tokens.append(lp.token)
+        result.token_logprobs.append(lp.logprob)
+        result.top_logprobs.append({text: value for _, text, value in lp.top})
+        result.text_offset.append(text_offset)
+        text_offset += len(lp.token)
+    return result
+
+
+async def create_completion(engine, body: CompletionRequest, request: Request) -> Response:
+    check_model(body, engine.model_id)
+    check_common(body)
+    if body.echo:
+        raise InvalidRequest("echo is not supported.", "echo")
+    prompt_ids = completion_prompt_ids(engine.tokenizer, body.prompt)
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
+
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body))
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = completion_chunks(outputs, request_id, created, engine.model_id, include_usage,
+                                   params.logprobs is not None)
+        return SSEResponse(sse_events(chunks, outputs))
+
+    results = await collect(outputs, request)
+    last = results[-1]
+    logprobs = None
+    if params.logprobs is not None:
+        logprobs = completion_logprobs([lp for out in results for lp in out.logprobs or []])
+    response = CompletionResponse(
+        id=request_id, created=created, model=engine.model_id, usage=usage_from(last),
+        choices=[CompletionChoice(text="".join(out.new_text for out in results), logprobs=logprobs,
+                                  finish_reason=last.finish_reason)])
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def completion_chunks(outputs: AsyncIterator[RequestOutput], request_id: str, created: int, model: str,
+                            include_usage: bool, want_logprobs: bool) -> AsyncIterator[CompletionResponse]:
+    def chunk(text: str, finish_reason: str | None = None, logprobs=None) -> CompletionResponse:
+        return CompletionResponse(id=request_id, created=created, model=model, choices=[
+            CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
+
+    last, offset = None, 0
+    async for out in outputs:
+        last = out
+        if out.new_text or out.logprobs:
+            logprobs = completion_logprobs(out.logprobs or [], offset) if want_logprobs else None
+            offset += sum(len(lp.token) for lp in out.logprobs or [])
+            yield chunk(out.new_text, logprobs=logprobs)
+        if out.finished:
+            yield chunk("", finish_reason=out.finish_reason)
+    if include_usage and last is not None:
+        yield CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage_from(last))

@@ -1,0 +1,98 @@
+"""Every error leaves the server as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from reuse_server.api.protocol import ErrorDetail, ErrorResponse
+from reuse_server.sampling_params import InvalidRequest
+
+logger = logging.getLogger("reuse_server.api")
+
+
+class ModelNotFound(Exception):
+    def __init__(self, requested: str, served: str):
+        super().__init__(f"The model '{requested}' does not exist; this server serves '{served}'.")
+        self.message = str(self)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready; its request was aborted."""
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _field_path(loc: tuple) -> str:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """A readable message naming the offending field(s), and the first field as `param`."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        err = next(e for e in errors if e.get("type") == "json_invalid")
+        detail = (err.get("ctx") or {}).get("error", "")
+        return f"The request body is not valid JSON: {detail}".rstrip(": "), None
+    parts, first = [], None
+    for e in errors[:5]:
+        field = _field_path(tuple(e.get("loc", ())))
+        first = first or field or None
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{field or 'request body'}: {msg}")
+    if len(errors) > 5:
+        parts.append(f"... and {len(errors) - 5} more")
+    return "Invalid request: " + "; ".join(parts), first
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers schema errors with 400, not FastAPI's default 422.
+        message, param = describe_validation_error(list(exc.errors()))
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(ModelNotFound)
+    async def _model(_: Request, exc: ModelNotFound) -> JSONResponse:
+        return error_response(404, exc.message, param="model", code="model_not_found")
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
+        # Nobody reads this; 499 is the conventional "client closed request" for access logs.
+        return error_response(499, "The client closed the connection; the request was aborted.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = error_response(exc.status_code, message, type_)
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return internal_error(request)
+
+
+def internal_error(request: Request) -> JSONResponse:
+    """A 500 for an unexpected exception; call from an `except` block so the traceback is logged."""
+    logger.exception("Unhandled error while serving %s %s", request.method, request.url.path)
+    return error_response(500, "The server had an internal error while processing the request.", "server_error")

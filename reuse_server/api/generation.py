@@ -1,0 +1,138 @@
+"""Plumbing shared by both endpoints: request fields -> engine arguments, running a request to completion
+(aborting it if the client leaves), and Server-Sent Events framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from reuse_server.api.errors import ClientDisconnected, ModelNotFound, error_body
+from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, Usage
+from reuse_server.outputs import RequestOutput
+from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+
+logger = logging.getLogger("reuse_server.api")
+
+DISCONNECT_POLL_SECONDS = 0.2
+
+
+def check_model(body: GenerationRequest, served: str) -> None:
+    if body.model is not None and body.model != served:
+        raise ModelNotFound(body.model, served)
+
+
+def check_common(body: GenerationRequest) -> None:
+    if body.n not in (None, 1):
+        raise InvalidRequest(f"Only n=1 is supported, got n={body.n}.", "n")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true.", "stream_options")
+
+
+def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Build and range-check the sampling parameters; raises InvalidRequest before the engine sees anything."""
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=defaults.top_k if body.top_k is None else body.top_k,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
+    )
+    params.validate()
+    return params
+
+
+def cache_options(body: GenerationRequest) -> CacheOptions:
+    blend = body.kv_blend
+    return CacheOptions(
+        prefix_cache=body.prefix_cache is not False,
+        cache_salt=body.cache_salt,
+        blend=None if blend is None else blend.enabled,
+        recompute_ratio=None if blend is None else blend.recompute_ratio,
+    )
+
+
+def usage_from(out: RequestOutput) -> Usage:
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=out.num_output_tokens,
+        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=out.cached_tokens, blended_tokens=out.blended_tokens,
+            recomputed_tokens=out.recomputed_tokens),
+    )
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput]:
+    """All outputs of a request. Polls the connection meanwhile: uvicorn does not cancel a handler whose
+    client left, so without this a gone client would keep its sequence (and KV blocks) busy to the end."""
+
+    async def drain() -> list[RequestOutput]:
+        return [out async for out in outputs]
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await outputs.aclose()  # the engine aborts a request whose iterator closes before it finished
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[BaseModel], outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """Frame chunk models as SSE and end with [DONE]. An error after the 200 has gone out can only be
+    reported in-band, as an OpenAI-style error event."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except InvalidRequest as exc:
+        yield sse(error_body(exc.message, "invalid_request_error", exc.param, exc.code))
+    except Exception:
+        logger.exception("Error while streaming a response")
+        yield sse(error_body("The server had an internal error while streaming the response.", "server_error"))
+    finally:
+        await chunks.aclose()
+        await outputs.aclose()
+    yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a client disconnect (which cancels the
+    send, not necessarily our generator) still closes the engine iterator and aborts the request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send) -> None:
+        async with aclosing(self.body_iterator):
+            await super().stream_response(send)

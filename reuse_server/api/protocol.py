@@ -1,0 +1,264 @@
+"""OpenAI-shaped request and response bodies for /v1/completions and /v1/chat/completions.
+
+Unknown top-level request fields are ignored (as OpenAI-compatible servers do); unknown fields inside our
+own `kv_blend` extension are rejected, since a typo there would silently change what gets measured.
+Value ranges (temperature, top_p, ...) are checked by SamplingParams.validate so every entry point agrees.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _drop_if_none(value: Any) -> bool:
+    return value is None
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Where a string holds a lone UTF-16 surrogate (JSON allows "\\ud800"; UTF-8 cannot encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "request body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+# ---------------------------------------------------------------- requests
+
+
+class KVBlendOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    recompute_ratio: float | None = Field(None, ge=0.0, le=1.0)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. `None` means "the default" for every field."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed accepts
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    user: str | None = None
+    # Extensions: per-request cache controls.
+    prefix_cache: bool | None = True
+    cache_salt: str | None = None
+    kv_blend: KVBlendOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_path(data)
+        if where:
+            raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+        return data
+
+
+def _check_prompt(value: Any) -> Any:
+    """One prompt: a string or a list of token ids, optionally wrapped in a one-element list."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if value and all(isinstance(v, str) for v in value):
+            return value
+        if value and all(isinstance(v, list) for v in value):
+            if all(isinstance(t, int) and not isinstance(t, bool) for v in value for t in v):
+                return value
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+    raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either")
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+
+    _prompt_shape = field_validator("prompt", mode="before")(_check_prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i}: only parts of type 'text' are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str) or part["text"] == "":
+                raise ValueError(f"part {i}: a text part needs a non-empty 'text' string")
+        return value
+
+    def text(self) -> str:
+        """The message's text; list-of-parts content is concatenated verbatim (the client picks separators)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    blended_tokens: int = 0
+    recomputed_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed completion chunk (OpenAI uses object "text_completion" for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, exclude_if=_drop_if_none)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_drop_if_none)
+    content: str | None = Field(None, exclude_if=_drop_if_none)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, exclude_if=_drop_if_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kv-reuse-server"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

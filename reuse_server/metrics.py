@@ -1,0 +1,63 @@
+"""Prometheus metrics: engine counters and pool gauges read from `engine.snapshot()` at scrape time,
+plus latency histograms and a finished-request counter that the engine feeds as requests progress."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+                   60.0, 120.0)
+
+# snapshot key -> (counter name without _total, help)
+COUNTERS = {
+    "prefix_query_tokens": ("kvreuse_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_hit_tokens": ("kvreuse_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "blended_tokens": ("kvreuse_blended_tokens", "Prompt tokens reused from non-prefix chunks (blending)."),
+    "recomputed_tokens": ("kvreuse_recomputed_tokens", "Reused prompt tokens recomputed by blending selection."),
+    "prompt_tokens": ("kvreuse_prompt_tokens", "Prompt tokens of admitted requests."),
+    "generation_tokens": ("kvreuse_generation_tokens", "Tokens generated."),
+    "evicted_blocks": ("kvreuse_evicted_blocks", "KV blocks evicted from the cache."),
+    "preemptions": ("kvreuse_preemptions", "Running sequences preempted for lack of KV blocks."),
+}
+
+
+class _SnapshotCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        snap = self.engine.snapshot()
+        for key, (name, doc) in COUNTERS.items():
+            if key in snap:
+                yield CounterMetricFamily(name, doc, value=snap[key])
+        blocks = GaugeMetricFamily("kvreuse_kv_blocks", "KV cache blocks by state.", labels=["state"])
+        for state in ("free", "evictable", "in_use"):
+            blocks.add_metric([state], snap[f"{state}_blocks"])
+        yield blocks
+        yield GaugeMetricFamily("kvreuse_kv_blocks_total", "KV cache blocks in the pool.", value=snap["total_blocks"])
+        yield GaugeMetricFamily("kvreuse_requests_running", "Requests being decoded or prefilled.",
+                                value=snap["running"])
+        yield GaugeMetricFamily("kvreuse_requests_waiting", "Requests queued for admission.", value=snap["waiting"])
+
+
+class ServerMetrics:
+    def __init__(self, engine, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry.register(_SnapshotCollector(engine))
+        self.ttft = Histogram("kvreuse_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kvreuse_e2e_request_latency_seconds", "Time from arrival to the request's end.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("kvreuse_requests", "Finished requests by finish reason.", ["finish_reason"],
+                                registry=self.registry)
+
+    # Called from the engine thread; prometheus-client metrics are thread-safe.
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_request(self, seconds: float, finish_reason: str | None) -> None:
+        self.e2e.observe(seconds)
+        self.requests.labels(finish_reason=finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

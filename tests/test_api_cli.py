@@ -1,0 +1,78 @@
+"""`reuse-server serve` flags: help text, flag -> EngineConfig, bad flags (exit 2) and load failures (exit 1)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reuse_server.cli import build_parser, engine_config, main, parse_size
+from reuse_server.config import EngineConfig
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--block-size",
+         "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+         "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level"]
+
+
+def test_help_documents_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in FLAGS:
+        assert flag in text, flag
+    for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
+                  "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)"]:
+        assert shown in text, shown
+    assert text.count("(default") >= len(FLAGS)
+
+
+def test_defaults_match_engine_config():
+    assert engine_config(build_parser().parse_args(["serve"])) == EngineConfig(model="smollm2")
+
+
+def test_flags_reach_engine_config():
+    args = build_parser().parse_args([
+        "serve", "--model", "/m", "--served-model-name", "x", "--device", "cuda:1", "--dtype", "bfloat16",
+        "--block-size", "32", "--num-gpu-blocks", "100", "--kv-cache-memory", "512MiB", "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "64", "--max-model-len", "128", "--no-prefix-cache", "--hash", "sha256",
+        "--eviction-policy", "lfu", "--seed", "9"])
+    assert engine_config(args) == EngineConfig(
+        model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", block_size=32, num_gpu_blocks=100,
+        kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,
+        enable_prefix_cache=False, hash_algo="sha256", eviction_policy="lfu", seed=9)
+
+
+@pytest.mark.parametrize("text, size", [("1GiB", 1 << 30), ("512MiB", 512 << 20), ("512mib", 512 << 20),
+                                        ("2GB", 2 * 10**9), ("1.5GiB", 3 << 29), ("4096", 4096)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--block-size", "3"], "power of two"),
+    (["--block-size", "1024"], "power of two"),
+    (["--block-size", "0"], "at least 1"),
+    (["--kv-cache-memory", "lots"], "not a size"),
+    (["--kv-cache-memory", "0"], "positive"),
+    (["--port", "70000"], "TCP port"),
+    (["--hash", "md5"], "invalid choice"),
+    (["--eviction-policy", "fifo"], "invalid choice"),
+    (["--max-num-seqs", "x"], "not an integer"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_model_that_fails_to_load_exits_1_with_one_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([sys.executable, "-m", "reuse_server.cli", "serve", "--model", str(missing)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not load the model" in lines[0] and str(missing) in lines[0]

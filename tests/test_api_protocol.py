@@ -1,0 +1,269 @@
+"""The HTTP layer's pieces that need no engine: request models, request -> engine arguments, error messages,
+chat prompt rendering and the SSE framing of streamed chunks."""
+import asyncio
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from reuse_server.api.chat import chat_chunks
+from reuse_server.api.chat_template import render_chat_prompt
+from reuse_server.api.completions import completion_chunks, completion_prompt_ids
+from reuse_server.api.errors import describe_validation_error
+from reuse_server.api.generation import SSE_DONE, cache_options, check_common, sampling_params, sse_events
+from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest
+from reuse_server.outputs import RequestOutput, TokenLogprob
+from reuse_server.sampling_params import InvalidRequest
+from tiny_checkpoint import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+# ---------------------------------------------------------------- request models
+
+
+@pytest.mark.parametrize("prompt", ["hello", [5, 6, 7], ["hello"], [[5, 6, 7]]])
+def test_completion_prompt_shapes_accepted(prompt, tokenizer):
+    req = CompletionRequest(prompt=prompt)
+    ids = completion_prompt_ids(tokenizer, req.prompt)
+    expected = tokenizer.encode("hello") if "hello" in json.dumps(prompt) else [5, 6, 7]
+    assert ids == expected
+
+
+@pytest.mark.parametrize("prompt", [[1, "a"], [["a"]], 5, {"text": "x"}, [1.5]])
+def test_completion_prompt_bad_shapes_rejected(prompt):
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest(prompt=prompt)
+    message, param = describe_validation_error(err.value.errors())
+    assert param == "prompt" and "prompt must be" in message
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
+def test_batched_prompts_rejected(prompt, tokenizer):
+    with pytest.raises(InvalidRequest) as err:
+        completion_prompt_ids(tokenizer, CompletionRequest(prompt=prompt).prompt)
+    assert err.value.param == "prompt" and "2 prompts" in err.value.message
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]]])
+def test_empty_prompt_rejected(prompt, tokenizer):
+    with pytest.raises(InvalidRequest, match="empty"):
+        completion_prompt_ids(tokenizer, CompletionRequest(prompt=prompt).prompt)
+
+
+def test_unknown_top_level_fields_ignored_but_not_inside_kv_blend():
+    req = CompletionRequest(prompt="x", frequency_penalty=0.5, some_future_field={"a": 1})
+    assert not hasattr(req, "some_future_field")
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest(prompt="x", kv_blend={"enabled": True, "recompute_ratoi": 0.2})
+    message, param = describe_validation_error(err.value.errors())
+    assert param == "kv_blend.recompute_ratoi" and "kv_blend.recompute_ratoi" in message
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5])
+def test_recompute_ratio_out_of_range(ratio):
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest(prompt="x", kv_blend={"recompute_ratio": ratio})
+    assert describe_validation_error(err.value.errors())[1] == "kv_blend.recompute_ratio"
+
+
+def test_cache_options_from_extensions():
+    req = CompletionRequest(prompt="x", prefix_cache=False, cache_salt="tenant-a",
+                            kv_blend={"enabled": True, "recompute_ratio": 0.25})
+    opts = cache_options(req)
+    assert (opts.prefix_cache, opts.cache_salt, opts.blend, opts.recompute_ratio) == (False, "tenant-a", True, 0.25)
+    default = cache_options(CompletionRequest(prompt="x"))
+    assert (default.prefix_cache, default.cache_salt, default.blend, default.recompute_ratio) == (True, None, None, None)
+
+
+def test_sampling_params_mapping_and_ranges():
+    req = CompletionRequest(prompt="x", temperature=0, top_p=0.5, top_k=3, seed=7, stop="\n",
+                            stop_token_ids=[2], ignore_eos=True)
+    p = sampling_params(req, 9, 2)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.stop_token_ids, p.ignore_eos,
+            p.logprobs) == (9, 0.0, 0.5, 3, 7, ["\n"], [2], True, 2)
+    nulls = sampling_params(CompletionRequest(prompt="x", temperature=None, top_p=None), 16, None)
+    assert (nulls.temperature, nulls.top_p, nulls.top_k) == (1.0, 1.0, -1)
+    for field, value in [("temperature", 2.5), ("top_p", 0.0), ("top_k", 0), ("stop", ["a"] * 5)]:
+        with pytest.raises(InvalidRequest) as err:
+            sampling_params(CompletionRequest(prompt="x", **{field: value}), 16, None)
+        assert err.value.param == field
+    with pytest.raises(InvalidRequest) as err:
+        sampling_params(CompletionRequest(prompt="x"), 0, None)
+    assert err.value.param == "max_tokens"
+
+
+def test_n_and_stream_options_checks():
+    with pytest.raises(InvalidRequest) as err:
+        check_common(CompletionRequest(prompt="x", n=3))
+    assert err.value.param == "n"
+    with pytest.raises(InvalidRequest) as err:
+        check_common(CompletionRequest(prompt="x", stream_options={"include_usage": True}))
+    assert err.value.param == "stream_options"
+    check_common(CompletionRequest(prompt="x", n=1, stream=True, stream_options={"include_usage": True}))
+
+
+# ---------------------------------------------------------------- chat messages
+
+
+def test_chat_parts_joined_and_rendered_with_template(tokenizer):
+    req = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Document one. "}, {"type": "text", "text": "Q?"}]},
+    ])
+    ids = render_chat_prompt(tokenizer, req.messages)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Document one. Q?"}],
+        add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("content, needle", [
+    ([{"type": "text", "text": ""}], "non-empty"),
+    ([{"type": "image_url", "image_url": {"url": "http://x"}}], "'image_url'"),
+    ([{"text": "no type"}], "only parts of type 'text'"),
+    (42, "string or a list"),
+])
+def test_bad_chat_content_rejected(content, needle):
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest(messages=[{"role": "user", "content": content}])
+    message, param = describe_validation_error(err.value.errors())
+    assert param == "messages[0].content" and needle in message
+
+
+def test_bad_role_and_empty_messages_rejected():
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])
+    assert describe_validation_error(err.value.errors())[1] == "messages[1].role"
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest(messages=[])
+    assert describe_validation_error(err.value.errors())[1] == "messages"
+
+
+def test_chat_without_template_is_a_client_error(tokenizer):
+    bare = build_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        render_chat_prompt(bare, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]).messages)
+
+
+def test_lone_surrogates_rejected_with_their_place():
+    body = json.loads('{"messages": [{"role": "user", "content": [{"type": "text", "text": "ok"}, '
+                      '{"type": "text", "text": "x\\udc00"}]}]}')  # json.loads, as FastAPI parses bodies
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate(body)
+    assert "messages[0].content[1].text is not valid Unicode" in describe_validation_error(err.value.errors())[0]
+    assert CompletionRequest.model_validate(json.loads('{"prompt": "caf\\u00e9 \\ud83d\\ude00"}')).prompt == "café 😀"
+
+
+def test_seed_limited_to_what_torch_accepts():
+    assert CompletionRequest(prompt="x", seed=2**64 - 1).seed == 2**64 - 1
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="x", seed=seed)
+
+
+def test_invalid_json_message():
+    errors = [{"type": "json_invalid", "loc": ("body", 12), "msg": "JSON decode error",
+               "ctx": {"error": "Expecting value"}}]
+    message, param = describe_validation_error(errors)
+    assert message == "The request body is not valid JSON: Expecting value" and param is None
+
+
+# ---------------------------------------------------------------- SSE framing
+
+
+def _outputs(texts, finish_reason="length", cached=4, logprobs=False):
+    outs = []
+    for i, text in enumerate(texts):
+        lp = [TokenLogprob(10 + i, text, -0.5, [(10 + i, text, -0.5), (99, "zz", -1.5)])] if logprobs else None
+        outs.append(RequestOutput("r", [10 + i], text, i == len(texts) - 1,
+                                  finish_reason if i == len(texts) - 1 else None, num_prompt_tokens=7,
+                                  num_output_tokens=i + 1, cached_tokens=cached, logprobs=lp))
+    return outs
+
+
+async def _aiter(items):
+    for item in items:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _frames(chunks_factory, items):
+    async def run():
+        outputs = _aiter(items)
+        return [frame async for frame in sse_events(chunks_factory(outputs), outputs)]
+
+    frames = asyncio.run(run())
+    assert all(f.startswith("data: ") and f.endswith("\n\n") and "\n" not in f[:-2] for f in frames)
+    assert frames[-1] == SSE_DONE
+    return [json.loads(f[len("data: "):]) for f in frames[:-1]]
+
+
+def test_chat_stream_frames_match_openai():
+    events = _frames(lambda o: chat_chunks(o, "chatcmpl-1", 123, "m", True, False), _outputs(["Hel", "", "lo"]))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-1" and e["model"] == "m"
+               for e in events)
+    body = events[1:-2]
+    assert [e["choices"][0]["delta"] for e in body] == [{"content": "Hel"}, {"content": "lo"}]  # empty delta skipped
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+    finish = events[-2]["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "length"
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                   "prompt_tokens_details": {"cached_tokens": 4, "blended_tokens": 0,
+                                                             "recomputed_tokens": 0}}
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_chat_stream_without_usage_and_with_logprobs():
+    events = _frames(lambda o: chat_chunks(o, "c", 1, "m", False, True), _outputs(["a", "b"], "stop", logprobs=True))
+    assert all("usage" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "stop"
+    content = [e["choices"][0]["logprobs"]["content"][0] for e in events[1:-1]]
+    assert [c["token"] for c in content] == ["a", "b"]
+    assert content[0]["bytes"] == [97] and [t["token"] for t in content[0]["top_logprobs"]] == ["a", "zz"]
+
+
+def test_completion_stream_frames():
+    events = _frames(lambda o: completion_chunks(o, "cmpl-1", 5, "m", True, True),
+                     _outputs(["ab", "c"], "stop", logprobs=True))
+    assert all(e["object"] == "text_completion" for e in events)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", "c", ""]
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events[:2]] == [[0], [2]]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("error, expected_type", [(InvalidRequest("too long", "prompt"), "invalid_request_error"),
+                                                  (RuntimeError("boom"), "server_error")])
+def test_error_after_stream_started_is_an_error_event(error, expected_type):
+    events = _frames(lambda o: chat_chunks(o, "c", 1, "m", True, False), [*_outputs(["a", "b"])[:1], error])
+    assert events[-1]["error"]["type"] == expected_type
+    assert "boom" not in json.dumps(events[-1])  # internals stay in the log
+
+
+def test_closing_the_stream_closes_the_engine_iterator():
+    closed = []
+
+    async def engine_outputs():
+        try:
+            for out in _outputs(["a", "b", "c", "d"]):
+                yield out
+        finally:
+            closed.append(True)
+
+    async def run():
+        outputs = engine_outputs()
+        events = sse_events(chat_chunks(outputs, "c", 1, "m", False, False), outputs)
+        await events.__anext__()
+        await events.__anext__()
+        await events.aclose()  # what SSEResponse does when the client goes away mid-stream
+
+    asyncio.run(run())
+    assert closed == [True]
