@@ -1,0 +1,246 @@
+"""RadixCache: matching, inserting, block accounting, locks, eviction policies, stats, collisions, salts."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from radix import OutOfBlocks, RadixCache, RadixError
+
+BS = 4
+
+
+def blocks(*values):
+    """A prompt of one block per value: block i is BS copies of values[i]."""
+    return [v for v in values for _ in range(BS)]
+
+
+def cache_prompt(cache, tokens, extra=b""):
+    """What an engine does for one request: match, lock, allocate the rest, insert, keep it locked."""
+    m = cache.match(tokens, extra)
+    cache.lock(m.node)
+    new = cache.allocate(len(tokens) // cache.block_size - len(m.block_ids))
+    r = cache.insert(tokens, m.block_ids + new, extra)
+    assert r.duplicate_block_ids == [] and r.inserted_block_ids == new
+    cache.lock(r.node)
+    cache.unlock(m.node)
+    return r.node, m.block_ids + new
+
+
+def test_match_returns_cached_prefix_and_partial_block_is_never_shared():
+    cache = RadixCache(16, block_size=BS)
+    prompt = blocks(1, 2, 3) + [7, 7]  # 3 full blocks and a partial one
+    assert cache.match(prompt).block_ids == []
+    node, ids = cache_prompt(cache, prompt)
+    assert len(ids) == 3
+    m = cache.match(prompt)
+    assert (m.block_ids, m.num_tokens, m.node) == (ids, 3 * BS, node)
+    m = cache.match(blocks(1, 2, 9))
+    assert (m.block_ids, m.num_tokens) == (ids[:2], 2 * BS)
+    m = cache.match(blocks(1, 2) + [3, 3, 3])  # third block only partly there: not matched
+    assert m.block_ids == ids[:2]
+    cache.check_invariants()
+
+
+def test_insert_ignores_partial_block_ids_which_stay_with_the_caller():
+    cache = RadixCache(8, block_size=BS)
+    ids = cache.allocate(3)
+    r = cache.insert(blocks(1, 2) + [5], ids)
+    assert r.inserted_block_ids == ids[:2]
+    cache.free([ids[2]])  # still caller-owned
+    with pytest.raises(ValueError, match="not caller-owned"):
+        cache.free([ids[0]])  # now the tree's
+    cache.check_invariants()
+
+
+def test_insert_reports_duplicates_and_skips_the_trees_own_blocks():
+    cache = RadixCache(16, block_size=BS)
+    prompt = blocks(1, 2, 3)
+    first, second = cache.allocate(3), cache.allocate(3)  # two requests computed the same prompt
+    r1 = cache.insert(prompt, first)
+    assert r1.inserted_block_ids == first and r1.duplicate_block_ids == []
+    r2 = cache.insert(prompt, second)
+    assert r2.duplicate_block_ids == second and r2.inserted_block_ids == [] and r2.node is r1.node
+    cache.free(r2.duplicate_block_ids)
+    # the engine's usual path: the matched prefix is the tree's own, only the tail is new
+    m = cache.match(blocks(1, 2, 3, 4, 5))
+    tail = cache.allocate(2)
+    r3 = cache.insert(blocks(1, 2, 3, 4, 5), m.block_ids + tail)
+    assert r3.duplicate_block_ids == [] and r3.inserted_block_ids == tail
+    assert cache.match(blocks(1, 2, 3, 4, 5)).block_ids == first + tail
+    cache.check_invariants()
+
+
+def test_insert_rejects_blocks_that_are_not_the_callers():
+    cache = RadixCache(8, block_size=BS)
+    ids = cache.allocate(2)
+    cache.insert(blocks(1, 2), ids)
+    with pytest.raises(ValueError, match="not caller-owned"):
+        cache.insert(blocks(3, 4), ids)  # the tree's blocks at other positions
+    with pytest.raises(ValueError, match="is free"):
+        cache.insert(blocks(5), [7])
+    with pytest.raises(ValueError, match="block ids"):
+        cache.insert(blocks(5, 6), [0])
+    cache.check_invariants()
+
+
+def test_accounting_states_add_up_and_locks_move_blocks_between_evictable_and_in_use():
+    cache = RadixCache(10, block_size=BS)
+    node, ids = cache_prompt(cache, blocks(1, 2, 3))
+    s = cache.stats()
+    assert (s.free_blocks, s.evictable_blocks, s.in_use_blocks, s.cached_blocks) == (7, 0, 3, 3)
+    cache.unlock(node)
+    s = cache.stats()
+    assert (s.free_blocks, s.evictable_blocks, s.in_use_blocks) == (7, 3, 0)
+    assert cache.num_allocatable() == 10
+    held = cache.allocate(2)
+    assert cache.stats().in_use_blocks == 2
+    cache.free(held)
+    assert dataclasses.asdict(cache.stats())["free_blocks"] == 7
+    with pytest.raises(RadixError, match="not locked"):
+        cache.unlock(node)
+    cache.check_invariants()
+
+
+def test_allocate_takes_free_blocks_first_then_evicts_and_never_evicts_locked_blocks():
+    evicted = []
+    cache = RadixCache(6, block_size=BS, on_evict=evicted.extend)
+    locked_node, locked_ids = cache_prompt(cache, blocks(1, 2))
+    node, other_ids = cache_prompt(cache, blocks(3, 4))
+    cache.unlock(node)
+    assert cache.allocate(2) and evicted == []  # free blocks suffice
+    with pytest.raises(OutOfBlocks, match="needed 3, available 2"):
+        cache.allocate(3)
+    assert cache.stats().free_blocks == 0  # all or nothing: nothing taken
+    got = cache.allocate(2)
+    assert sorted(got) == sorted(other_ids) and sorted(evicted) == sorted(other_ids)
+    assert cache.match(blocks(1, 2)).block_ids == locked_ids
+    assert cache.stats().evicted_blocks == 2
+    cache.check_invariants()
+
+
+def test_eviction_removes_leaves_first_and_a_parent_once_its_last_child_is_gone():
+    cache = RadixCache(10, block_size=BS)
+    a, a_ids = cache_prompt(cache, blocks(1, 2))
+    b, b_ids = cache_prompt(cache, blocks(1, 2, 3))
+    c, c_ids = cache_prompt(cache, blocks(1, 2, 4, 5))
+    for node in (a, b, c):
+        cache.unlock(node)
+    cache.match(blocks(1, 2, 4, 5))  # the newest: LRU evicts the other leaf first
+    assert cache.evict(1) == [b_ids[2]]
+    assert cache.evict(1) == [c_ids[3]]  # a leaf bigger than needed loses only its last block
+    assert cache.evict(1) == [c_ids[2]]
+    assert cache.match(blocks(1, 2, 4, 5)).block_ids == a_ids  # the shared parent stayed until now
+    assert sorted(cache.evict(5)) == sorted(a_ids)
+    assert cache.stats().evictable_blocks == 0 and cache.evict(3) == []
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("policy, expected_order", [("lru", [1, 3, 2]), ("lfu", [2, 3, 1])])
+def test_policies_choose_different_victims(policy, expected_order):
+    cache = RadixCache(3, block_size=BS, policy=policy)
+    owner = {}
+    for value in (1, 2, 3):
+        node, ids = cache_prompt(cache, blocks(value))
+        cache.unlock(node)
+        owner[ids[0]] = value
+    for value, times in ((1, 3), (3, 2), (2, 1)):  # 1 most often, 2 most recently
+        for _ in range(times):
+            cache.match(blocks(value))
+    assert [owner[cache.evict(1)[0]] for _ in range(3)] == expected_order
+
+
+def test_split_keeps_locks_exact():
+    cache = RadixCache(10, block_size=BS)
+    node, ids = cache_prompt(cache, blocks(1, 2, 3, 4))  # one node of 4 blocks, locked
+    m = cache.match(blocks(1, 2, 9))  # splits it after 2 blocks
+    assert m.block_ids == ids[:2]
+    cache.check_invariants()
+    cache.lock(m.node)
+    cache.unlock(node)  # the request holding the whole chain ends
+    s = cache.stats()
+    assert (s.in_use_blocks, s.evictable_blocks) == (2, 2)
+    assert sorted(cache.evict(10)) == sorted(ids[2:])
+    cache.unlock(m.node)
+    assert sorted(cache.evict(10)) == sorted(ids[:2])
+    cache.check_invariants()
+
+
+def test_an_evicted_node_cannot_be_locked():
+    cache = RadixCache(4, block_size=BS)
+    node, _ = cache_prompt(cache, blocks(1))
+    cache.unlock(node)
+    cache.evict(1)
+    with pytest.raises(RadixError, match="not in this cache"):
+        cache.lock(node)
+
+
+def test_stats_count_queries_and_hits_in_tokens():
+    cache = RadixCache(8, block_size=BS)
+    node, _ = cache_prompt(cache, blocks(1, 2))  # one query of 8 tokens, no hit
+    cache.match(blocks(1, 2, 3) + [1])  # 13 tokens, 8 hit
+    cache.match(blocks(1, 2), record_stats=False)
+    s = cache.stats()
+    assert (s.query_tokens, s.hit_tokens) == (8 + 13, 8)
+    assert s.token_hit_rate == pytest.approx(8 / 21)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_forced_hash_collisions_never_return_wrong_blocks(algo):
+    rng = np.random.default_rng(1)
+    cache = RadixCache(400, block_size=2, hash_algo=algo, hash_bits=2)  # 4 distinct hashes: collisions galore
+    expected = {}  # full-prefix tuple -> block id of its last block
+    for _ in range(60):
+        prompt = rng.integers(0, 3, 2 * rng.integers(1, 5)).tolist()
+        node, ids = cache_prompt(cache, prompt)
+        cache.unlock(node)
+        for i, block in enumerate(ids):
+            assert expected.setdefault(tuple(prompt[: 2 * (i + 1)]), block) == block
+        cache.check_invariants()
+    for prefix, block in expected.items():
+        m = cache.match(list(prefix))
+        assert m.block_ids[-1] == block and m.num_tokens == len(prefix)
+        assert m.block_ids == [expected[prefix[: 2 * (i + 1)]] for i in range(len(prefix) // 2)]
+    buckets, stack = [], [cache.root]
+    while stack:
+        node = stack.pop()
+        buckets += node.children.values()
+        stack += [child for bucket in node.children.values() for child in bucket]
+    assert max(map(len, buckets)) > 1, "the test must actually produce colliding siblings"
+
+
+@pytest.mark.parametrize("hash_bits", [None, 1])
+def test_salts_isolate_equal_tokens(hash_bits):
+    cache = RadixCache(16, block_size=BS, hash_bits=hash_bits)
+    prompt = blocks(1, 2, 3)
+    _, ids_a = cache_prompt(cache, prompt, extra=b"tenant-a")
+    _, ids_b = cache_prompt(cache, prompt, extra=b"tenant-b")  # no duplicates (asserted inside)
+    assert not set(ids_a) & set(ids_b)
+    assert cache.match(prompt, extra=b"tenant-a").block_ids == ids_a
+    assert cache.match(prompt, extra=b"tenant-b").block_ids == ids_b
+    assert cache.match(prompt).block_ids == []
+    assert cache.match(prompt, extra=b"tenant-c").block_ids == []
+    cache.check_invariants()
+
+
+def test_reset_prefix_cache_empties_an_unlocked_tree():
+    evicted = []
+    cache = RadixCache(8, block_size=BS, on_evict=evicted.extend)
+    node, ids = cache_prompt(cache, blocks(1, 2))
+    assert cache.reset_prefix_cache() is False  # a running request holds it
+    cache.unlock(node)
+    assert cache.reset_prefix_cache() is True and sorted(evicted) == sorted(ids)
+    assert cache.stats().free_blocks == 8
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="power of two"):
+        RadixCache(8, block_size=3)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        RadixCache(8, policy="random")
+    with pytest.raises(ValueError, match="num_blocks"):
+        RadixCache(-1)
+    cache = RadixCache(8, block_size=BS)
+    with pytest.raises(TypeError, match="extra must be bytes"):
+        cache.match(blocks(1), extra="salt")
+    with pytest.raises(ValueError, match="same block id twice"):
+        cache.free([0, 0])

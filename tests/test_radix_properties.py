@@ -1,0 +1,157 @@
+"""Property tests: random interleavings of match / insert / lock / unlock / allocate / free / evict.
+
+After every step the cache's own invariant check must pass (free + evictable + in use == total, no
+block in two states, counters and eviction queue agree with the tree), locked blocks must never have
+been evicted, and every match must return exactly the longest cached prefix, each block holding
+KV for the very tokens (and extra) of the prompt. A reference model tracks what each tree block holds.
+"""
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from radix import OutOfBlocks, RadixCache
+
+BS = 2
+NUM_BLOCKS = 12
+# Blocks drawn from a tiny alphabet so that prompts share prefixes and diverge inside node runs.
+BLOCKS = [(0, 0), (0, 1), (1, 0), (1, 1)]
+prompts = st.tuples(
+    st.lists(st.sampled_from(BLOCKS), max_size=6),
+    st.lists(st.integers(0, 1), max_size=BS - 1),  # a partial last block, never cached
+).map(lambda parts: [t for block in parts[0] for t in block] + parts[1])
+extras = st.sampled_from([b"", b"tenant-b"])
+
+
+class RadixCacheMachine(RuleBasedStateMachine):
+    policy = "lru"
+    hash_bits = None
+
+    @initialize()
+    def setup(self):
+        self.cache = RadixCache(NUM_BLOCKS, block_size=BS, policy=self.policy, hash_bits=self.hash_bits,
+                                on_evict=self.on_evict)
+        self.holds = {}  # tree block id -> (extra, tokens of the whole prefix through that block)
+        self.locks = []  # (node, block ids on its path) per outstanding lock
+        self.owned = []  # caller-owned block ids
+
+    def on_evict(self, block_ids):
+        locked = {b for _, ids in self.locks for b in ids}
+        assert not locked & set(block_ids), "a locked block was evicted"
+        for block in block_ids:
+            del self.holds[block]
+
+    def expected_match(self, prompt, extra):
+        n = 0
+        while n < len(prompt) // BS and (extra, tuple(prompt[: (n + 1) * BS])) in self.holds.values():
+            n += 1
+        return n
+
+    def check_match(self, m, prompt, extra):
+        assert m.num_tokens == len(m.block_ids) * BS == self.expected_match(prompt, extra) * BS
+        for i, block in enumerate(m.block_ids):
+            assert self.holds[block] == (extra, tuple(prompt[: (i + 1) * BS])), "match returned wrong KV"
+
+    @rule(prompt=prompts, extra=extras, lock=st.booleans())
+    def match(self, prompt, extra, lock):
+        m = self.cache.match(prompt, extra)
+        self.check_match(m, prompt, extra)
+        if lock:
+            self.cache.lock(m.node)
+            self.locks.append((m.node, list(m.block_ids)))
+
+    @rule(prompt=prompts, extra=extras, keep_locked=st.booleans())
+    def run_request(self, prompt, extra, keep_locked):
+        """The engine's path: match, lock, allocate the rest, insert, keep or release the lock."""
+        m = self.cache.match(prompt, extra, record_stats=False)
+        self.check_match(m, prompt, extra)
+        self.cache.lock(m.node)
+        need = len(prompt) // BS - len(m.block_ids)
+        try:
+            new = self.cache.allocate(need)
+        except OutOfBlocks:
+            assert need > self.cache.num_allocatable()
+            self.cache.unlock(m.node)
+            return
+        r = self.cache.insert(prompt, m.block_ids + new, extra)
+        assert r.duplicate_block_ids == [] and r.inserted_block_ids == new
+        for i, block in enumerate(new, len(m.block_ids)):
+            self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
+        self.cache.lock(r.node)
+        self.cache.unlock(m.node)
+        if keep_locked:
+            self.locks.append((r.node, m.block_ids + new))
+        else:
+            self.cache.unlock(r.node)
+
+    @rule(prompt=prompts, extra=extras)
+    def insert_own_blocks(self, prompt, extra):
+        """A request that computed its whole prompt into its own blocks (e.g. raced another one)."""
+        n = len(prompt) // BS
+        if n > len(self.owned):
+            return
+        given, self.owned = self.owned[:n], self.owned[n:]
+        cached = self.expected_match(prompt, extra)
+        r = self.cache.insert(prompt, given, extra)
+        assert r.duplicate_block_ids == given[:cached] and r.inserted_block_ids == given[cached:]
+        for i, block in enumerate(r.inserted_block_ids, cached):
+            self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
+        self.owned += r.duplicate_block_ids
+
+    @rule(n=st.integers(0, NUM_BLOCKS + 2))
+    def allocate(self, n):
+        before = self.cache.stats()
+        try:
+            self.owned += self.cache.allocate(n)
+        except OutOfBlocks:
+            assert n > before.free_blocks + before.evictable_blocks
+            assert self.cache.stats() == before
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data())
+    def free(self, data):
+        chosen = data.draw(st.lists(st.sampled_from(self.owned), unique=True, min_size=1))
+        self.cache.free(chosen)
+        self.owned = [b for b in self.owned if b not in chosen]
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.cache.unlock(node)
+
+    @rule(n=st.integers(0, NUM_BLOCKS))
+    def evict(self, n):
+        evictable = self.cache.stats().evictable_blocks
+        assert len(self.cache.evict(n)) == min(n, evictable)
+
+    @invariant()
+    def consistent(self):
+        self.cache.check_invariants()
+        s = self.cache.stats()
+        assert s.free_blocks + s.evictable_blocks + s.in_use_blocks == s.total_blocks
+        assert s.cached_blocks == len(self.holds)
+        assert s.in_use_blocks >= len(self.owned) + len({b for _, ids in self.locks for b in ids})
+
+
+class LFUCollidingRadixCacheMachine(RadixCacheMachine):
+    """Same, with LFU eviction and hashes truncated to 2 bits so that keys collide all the time."""
+
+    policy = "lfu"
+    hash_bits = 2
+
+
+SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("machine", [RadixCacheMachine, LFUCollidingRadixCacheMachine], ids=["lru", "lfu-2bit-hash"])
+def test_random_interleavings_keep_the_cache_consistent(machine):
+    run_state_machine_as_test(machine, settings=SETTINGS)
