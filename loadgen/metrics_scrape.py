@@ -1,0 +1,63 @@
+"""The server's Prometheus `/metrics`, read before and after each phase so the report can show
+what the server itself counted over the same window."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# report key -> counter sample name in the text format
+COUNTERS = {
+    "prompt_tokens": "kvreuse_prompt_tokens_total",
+    "generation_tokens": "kvreuse_generation_tokens_total",
+    "prefix_cache_queries": "kvreuse_prefix_cache_queries_total",
+    "prefix_cache_hits": "kvreuse_prefix_cache_hits_total",
+    "blended_tokens": "kvreuse_blended_tokens_total",
+    "recomputed_tokens": "kvreuse_recomputed_tokens_total",
+    "evicted_blocks": "kvreuse_evicted_blocks_total",
+}
+RUNNING = "kvreuse_requests_running"
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """Counter values by report key, summed over label sets; absent counters are left out."""
+    wanted = {sample: key for key, sample in COUNTERS.items()}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def requests_running(text: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == RUNNING:
+                return float(sample.value)
+    return None
+
+
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
+    """after - before per counter; None where either side did not have it (or a scrape failed)."""
+    return {key: (after[key] - before[key]) if before and after and key in before and key in after else None
+            for key in COUNTERS}
+
+
+async def scrape(client: httpx.AsyncClient, server: str, settle_s: float = 2.0) -> dict[str, float] | None:
+    """Counters once the server has no request running (waits up to `settle_s`, since the last
+    response can reach us a moment before the server has finished its bookkeeping).
+    None when /metrics cannot be read: the run goes on, the report just lacks the server's view."""
+    deadline = asyncio.get_running_loop().time() + settle_s
+    try:
+        while True:
+            resp = await client.get(f"{server}/metrics")
+            resp.raise_for_status()
+            running = requests_running(resp.text)
+            if not running or asyncio.get_running_loop().time() >= deadline:
+                return parse_counters(resp.text)
+            await asyncio.sleep(0.05)
+    except (httpx.HTTPError, ValueError):
+        return None
