@@ -20,3 +20,12 @@ class EngineConfig:
     hash_algo: str = "xxh3_128"
     eviction_policy: str = "lru"
     seed: int = 0
+    # non-prefix reuse (blending)
+    enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
+    blend_recompute_ratio: float = 0.15
+    blend_check_layers: tuple[int, ...] = (1,)
+    blend_gradual_factors: tuple[float, ...] = (1.0,)
+    blend_score: str = "k"
+    blend_first_tokens: int = 0
+    blend_min_tokens: int = 32
+    blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string

@@ -8,7 +8,10 @@ from pathlib import Path
 import torch
 from radix import RadixCache
 
-from reuse_server.block_manager import BlockManager, blocks_for
+from blend.chunk_index import ChunkIndex
+
+from reuse_server.block_manager import BlockManager
+from reuse_server.blending import Blender, BlendSettings
 from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
 from reuse_server.kv_pool import KVPool
@@ -55,7 +58,14 @@ class LLMEngine:
         self.kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, config.device)
         self.cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, seed=config.seed, policy=config.eviction_policy)
         self.blocks = BlockManager(self.cache, bs, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.chunk_index = ChunkIndex(self.cache, bs, self.model_id, pad_token=mc.vocab_size,
+                                      min_tokens=config.blend_min_tokens)
+        self.blender = Blender(self.model, self.kv, self.chunk_index, BlendSettings(
+            recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
+            gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
+            first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens), bs)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.blender, config.enable_blend)
         self.runner = ModelRunner(self.model, self.kv, bs, config.device)
         self.sampler = Sampler()
         self.eos_ids = set(mc.eos_token_ids)
@@ -122,22 +132,44 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        plain = [c for c in chunks if c.seq.blend_plan is None]
+        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in plain]
+        rows: dict[int, torch.Tensor] = {}  # id(seq) -> next-token logits
+        if plain:
+            logits = self.runner.run(plain, want)
+            sampled_plain = [c.seq for c, w in zip(plain, want) if w]
+            rows.update((id(seq), logits[i]) for i, seq in enumerate(sampled_plain))
         for c in chunks:
-            if not c.seq.counted:
-                self._count_admission(c.seq)
-        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in chunks]
-        logits = self.runner.run(chunks, want)
-        for c in chunks:
-            c.seq.num_computed += c.num_tokens
-            self.blocks.publish(c.seq)
-        sampled = [c.seq for c, w in zip(chunks, want) if w]
-        if not sampled:
-            return []
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampled], [s.params for s in sampled])
+            if c.seq.blend_plan is not None:
+                c.seq.reused_starts = {s for s, _ in c.seq.blend_plan.spans}
+                rows[id(c.seq)] = self.blender.prefill(c.seq, c.seq.blend_plan)[0]
+                c.seq.blend_plan = None
         outputs = []
-        for row, (seq, token) in enumerate(zip(sampled, tokens)):
-            outputs.append(self._append_token(seq, token, logits[row]))
+        for c in chunks:
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            self.blocks.publish(seq)
+            if id(seq) not in rows:
+                continue
+            if not seq.counted:
+                self._prompt_done(seq)
+            if seq.cache.precompute_only:
+                seq.finish_reason = "stop"
+                outputs.append(self._finish(seq, [], ""))
+        pending = [c.seq for c in chunks if id(c.seq) in rows and not c.seq.cache.precompute_only]
+        if not pending:
+            return outputs
+        tokens = self.sampler.sample(torch.stack([rows[id(s)] for s in pending]),
+                                     [s.request_id for s in pending], [s.params for s in pending])
+        for seq, token in zip(pending, tokens):
+            outputs.append(self._append_token(seq, token, rows[id(seq)]))
         return outputs
+
+    def _prompt_done(self, seq: Sequence) -> None:
+        """The prompt's KV is complete for the first time: count its usage, register its chunks."""
+        self._count_admission(seq)
+        if seq.cache.precompute_only or self.scheduler.blends(seq):
+            seq.chunk_tokens_stored, seq.chunk_tokens_present = self.blender.register(seq, skip=seq.reused_starts)
 
     def _count_admission(self, seq: Sequence) -> None:
         seq.counted = True
@@ -198,7 +230,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0,
-            blended_tokens=seq.blended_tokens, recomputed_tokens=seq.recomputed_tokens, logprobs=lp)
+            blended_tokens=seq.blended_tokens, recomputed_tokens=seq.recomputed_tokens, logprobs=lp,
+            chunk_tokens_stored=seq.chunk_tokens_stored, chunk_tokens_present=seq.chunk_tokens_present)
 
     # ---- observability --------------------------------------------------------------------
     def snapshot(self) -> dict:

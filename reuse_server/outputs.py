@@ -25,3 +25,5 @@ class RequestOutput:
     blended_tokens: int = 0  # reused from the chunk index, not recomputed
     recomputed_tokens: int = 0  # reused but recomputed by selection
     logprobs: list[TokenLogprob] | None = None
+    chunk_tokens_stored: int = 0  # precompute requests: tokens newly filed in the chunk index
+    chunk_tokens_present: int = 0  # ... and tokens of chunks that were already there

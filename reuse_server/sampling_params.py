@@ -63,4 +63,8 @@ class CacheOptions:
     prefix_cache: bool = True  # False: neither read nor write the prefix cache (a baseline)
     cache_salt: str | None = None  # tenant isolation: salted requests share blocks only with the same salt
     blend: bool | None = None  # None: server default
-    recompute_ratio: float | None = None
+    recompute_ratio: float | None = None  # None: server default
+    # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a
+    # separator-delimited piece): what the chunk index registers and looks up
+    chunk_spans: list[tuple[int, int]] = field(default_factory=list)
+    precompute_only: bool = False  # compute the prompt, register its chunks, generate nothing

@@ -25,8 +25,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 blender=None, blend_default: bool = False) -> None:
         self.blocks = blocks
+        self.blender = blender
+        self.blend_default = blend_default
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -45,11 +48,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.blend_plan is not None:
+            self.blender.release(seq.blend_plan)
+            seq.blend_plan = None
         self.blocks.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq)
+        self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -82,13 +91,35 @@ class Scheduler:
                 break
             if not self.blocks.admit(seq, budget):
                 break  # the pool is full: wait for blocks to come back
+            if not self._plan_blend(seq):
+                self.blocks.release(seq)
+                break
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            remaining = seq.num_tokens - seq.num_computed
+            # a blended prefill runs whole: its layers select tokens across the entire remainder
+            n = remaining if seq.blend_plan is not None else min(remaining, budget)
             batch.append(ScheduledChunk(seq, n))
             budget -= n
         return batch
+
+    def blends(self, seq: Sequence) -> bool:
+        return self.blender is not None and (self.blend_default if seq.cache.blend is None else seq.cache.blend)
+
+    def _plan_blend(self, seq: Sequence) -> bool:
+        """Look seq's chunks up in the chunk index; a hit needs blocks for the whole prompt now.
+        False if those blocks are not available (nothing is then held for the plan)."""
+        if not self.blends(seq):
+            return True
+        plan = self.blender.plan(seq)
+        if plan is None:
+            return True
+        if not self.blocks.ensure_capacity(seq, seq.num_tokens):
+            self.blender.release(plan)
+            return False
+        seq.blend_plan = plan
+        return True
 
     def _admission_order(self) -> list[Sequence]:
         queue = list(self.waiting)

@@ -41,6 +41,10 @@ class Sequence:
     recomputed_tokens: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None
+    blend_plan: object | None = None  # BlendPlan while a blended prefill is scheduled
+    reused_starts: set[int] = field(default_factory=set)  # chunk starts whose KV came from the chunk index
+    chunk_tokens_stored: int = 0
+    chunk_tokens_present: int = 0
     skipped: int = 0  # times passed over by cache-aware ordering (starvation guard)
 
     @property

@@ -1,0 +1,201 @@
+"""Non-prefix reuse inside the engine: fill a prompt's KV from the chunk index, then recompute only the
+tokens whose reused KV deviates most (CacheBlend), through the same model layers as every other forward.
+
+A blended prefill runs in three parts:
+1. plan: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the
+   chunk index and lock what is found (so allocating the prompt's blocks cannot evict it);
+2. copy in: copy those tokens' KV into the sequence's blocks and re-RoPE the keys from positions
+   0..n-1 to where the chunk now sits; then drop the locks;
+3. forward, layer by layer: every token not reused is always computed; reused tokens are computed up
+   to the first check layer, where the deviation between their stale and fresh KV picks the ones to
+   keep computing (gradually fewer at later check layers); the rest keep their reused KV from there on.
+After a request's prompt is computed, its reusable chunks that the index lacks are registered: their KV
+is copied to fresh blocks at positions 0..n-1 and filed in the chunk namespace of the radix cache.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from blend import GradualSchedule, first_tokens_mask, kv_deviation, rerope_layers_
+from blend.chunk_index import ChunkHit, ChunkIndex
+from blend.selection import count_for_ratio, select_top_k
+from radix import OutOfBlocks
+
+from reuse_server.kv_pool import KVPool
+from reuse_server.model.attention import AttentionMetadata
+from reuse_server.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlendSettings:
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    # Gradual filtering: the fraction kept at each check layer is ratio * factor, the factors falling to 1
+    # at the last check layer (e.g. check layers (1, 2, 3) with factors (3, 2, 1)).
+    gradual_factors: tuple[float, ...] = (1.0,)
+    score: str = "k"  # deviation score: "k", "v" or "kv"
+    first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
+    min_chunk_tokens: int = 32
+
+    def schedule(self, ratio: float) -> GradualSchedule:
+        ratios = [min(1.0, ratio * f) for f in self.gradual_factors]
+        return GradualSchedule(list(self.check_layers), ratios)
+
+
+@dataclass
+class Reuse:
+    start: int  # prompt position the chunk starts at
+    hit: ChunkHit
+
+
+@dataclass
+class BlendPlan:
+    reuses: list[Reuse]
+    ratio: float
+    locked: bool = True  # the chunk nodes are locked until their KV is copied in
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """(prompt position, tokens) of each reused piece."""
+        return [(r.start, r.hit.num_tokens) for r in self.reuses]
+
+
+class Blender:
+    def __init__(self, model, kv: KVPool, index: ChunkIndex, settings: BlendSettings, block_size: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.index = index
+        self.settings = settings
+        self.block_size = block_size
+        settings.schedule(settings.recompute_ratio).validate_for(len(model.layers))
+        self.registered_chunks = 0
+
+    def _spans_after(self, seq: Sequence, start: int) -> list[tuple[int, int]]:
+        return [(s, n) for s, n in seq.cache.chunk_spans if s >= start and n >= self.index.min_tokens]
+
+    # 1. plan ------------------------------------------------------------------------------
+    def plan(self, seq: Sequence) -> BlendPlan | None:
+        """Chunks of seq after its prefix hit that the index holds, their nodes locked; None if none."""
+        if seq.output_ids:  # a preempted request recomputes exactly
+            return None
+        salt = seq.extra_key
+        reuses = []
+        for start, n in self._spans_after(seq, seq.num_computed):
+            hit = self.index.lookup(seq.prompt_ids[start:start + n], salt)
+            if hit is not None:
+                self.index.cache.lock(hit.match.node)
+                reuses.append(Reuse(start, hit))
+        if not reuses:
+            return None
+        ratio = seq.cache.recompute_ratio
+        return BlendPlan(reuses, self.settings.recompute_ratio if ratio is None else ratio)
+
+    def release(self, plan: BlendPlan) -> None:
+        if plan.locked:
+            for r in plan.reuses:
+                self.index.cache.unlock(r.hit.match.node)
+            plan.locked = False
+
+    # 2. copy in ---------------------------------------------------------------------------
+    def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
+                            device=self.kv.k[0].device)
+
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor) -> None:
+        for layer in range(self.kv.num_layers):
+            k, v = self.kv.read_slots(layer, src)
+            self.kv.write(layer, dst, k, v)
+        rerope_layers_(self.kv.k, dst, old_pos, new_pos, self.model.rotary.inv_freq)
+
+    def copy_in(self, seq: Sequence, plan: BlendPlan) -> None:
+        for r in plan.reuses:
+            n = r.hit.num_tokens
+            src = self._slots(r.hit.block_ids, range(n))
+            dst = self._slots(seq.block_table, range(r.start, r.start + n))
+            pos = torch.arange(n, device=dst.device)
+            self._copy(src, dst, pos, pos + r.start)
+
+    # 3. forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, plan: BlendPlan) -> torch.Tensor:
+        """Compute seq's prompt from seq.num_computed on, reusing plan's chunks. Returns the last token's logits."""
+        self.copy_in(seq, plan)
+        self.release(plan)
+        start, end = seq.num_computed, seq.num_tokens
+        device = self.kv.k[0].device
+        n = end - start
+        reused = torch.zeros(n, dtype=torch.bool)
+        for s, cnt in plan.spans:
+            reused[s - start:s - start + cnt] = True
+        reused[-1] = False  # the last token gives the logits
+        always = None
+        if self.settings.first_tokens:
+            always = first_tokens_mask([s - start for s, _ in plan.spans], [c for _, c in plan.spans],
+                                       self.settings.first_tokens, total=n)
+        n_reused = int(reused.sum())
+        schedule = self.settings.schedule(plan.ratio)
+
+        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, device=device)
+        positions = torch.arange(start, end, dtype=torch.long, device=device)
+        slots = self._slots(seq.block_table, range(start, end))
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=device)
+        active = torch.arange(n)  # indices (into start..end) of the tokens this layer computes
+        hidden = self.model.embed(ids)
+        for i, layer in enumerate(self.model.layers):
+            act = active.to(device)
+            meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
+            check = schedule.is_check_layer(i) and bool(reused[active].any())
+            if check:
+                cand = reused[active].nonzero(as_tuple=True)[0]  # rows of `hidden` that are reused tokens
+                cand_slots = slots[act[cand.to(device)]]
+                old_k, old_v = self.kv.read_slots(i, cand_slots)
+            hidden = layer(hidden, positions[act], meta, self.kv, i)
+            if check:
+                new_k, new_v = self.kv.read_slots(i, cand_slots)
+                dev = kv_deviation(old_k, new_k, old_v, new_v, score=self.settings.score)
+                keep = count_for_ratio(schedule.ratios[schedule.check_layers.index(i)], n_reused)
+                cand_always = always[active[cand]] if always is not None else None
+                chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
+                rows = torch.cat([(~reused[active]).nonzero(as_tuple=True)[0], chosen]).sort().values
+                active = active[rows]
+                hidden = hidden[rows.to(device)]
+        recomputed = int(reused[active].sum())
+        seq.recomputed_tokens = recomputed
+        seq.blended_tokens = n_reused - recomputed
+        seq.cached_tokens = (seq.cached_tokens or 0) + seq.blended_tokens
+        last = self.model.final_norm(hidden[-1:])
+        return self.model.compute_logits(last)
+
+    # registration -------------------------------------------------------------------------
+    def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:
+        """File seq's reusable chunks whose KV is exact and not yet indexed (called once its prompt is
+        computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
+        salt = seq.extra_key
+        stored = present = 0
+        for start, n in self._spans_after(seq, 0):
+            if start in skip or start + n > seq.num_computed:
+                continue
+            tokens = seq.prompt_ids[start:start + n]
+            if self.index.contains(tokens, salt):
+                present += n
+                continue
+            try:
+                blocks = self.index.cache.allocate(self.index.blocks_needed(tokens))
+            except OutOfBlocks:
+                log.debug("no room to register a %d-token chunk", n)
+                break
+            dst = self._slots(blocks, range(n))
+            src = self._slots(seq.block_table, range(start, start + n))
+            pos = torch.arange(n, device=dst.device)
+            self._copy(src, dst, pos + start, pos)
+            spare = self.index.register(tokens, blocks, salt)
+            if spare:
+                self.index.cache.free(spare)
+            self.registered_chunks += 1
+            stored += n
+        return stored, present

@@ -1,0 +1,196 @@
+"""Blending inside the engine: chunk index hits, re-RoPE into place, selective recomputation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from reuse_server.config import EngineConfig
+from reuse_server.engine import LLMEngine
+from reuse_server.sampling_params import CacheOptions, SamplingParams
+from tiny_checkpoint import write_tiny_checkpoint
+
+BS = 4
+MIN = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    cfg = dict(model=str(path), block_size=BS, num_gpu_blocks=512, max_num_seqs=4, max_num_batched_tokens=64,
+               enable_blend=True, blend_min_tokens=MIN)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def drain(engine: LLMEngine) -> dict:
+    outs: dict = {}
+    while engine.has_work():
+        for out in engine.step():
+            ids, lps, _ = outs.get(out.request_id, ([], [], None))
+            outs[out.request_id] = (ids + out.new_token_ids, lps + (out.logprobs or []), out)
+        engine.cache.check_invariants()
+    return outs
+
+
+def precompute(engine: LLMEngine, chunk: list[int], rid: str) -> int:
+    engine.add_request(rid, chunk, SamplingParams(max_tokens=1, temperature=0.0),
+                       CacheOptions(chunk_spans=[(0, len(chunk))], precompute_only=True))
+    return drain(engine)[rid][2].chunk_tokens_stored
+
+
+def passages(seed: int, vocab: int, sizes=(13, 18, 11)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in sizes]
+
+
+def build_prompt(parts: list[list[int]], head: list[int], question: list[int]):
+    ids, spans = list(head), []
+    for p in parts:
+        spans.append((len(ids), len(p)))
+        ids += p
+    return ids + question, spans
+
+
+def generate(engine, rid, ids, spans, blend, ratio=None, max_tokens=4):
+    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, ignore_eos=True),
+                       CacheOptions(chunk_spans=spans, blend=blend, recompute_ratio=ratio))
+    return drain(engine)[rid]
+
+
+def close(a, b, tol):
+    for x, y in zip(a, b):
+        assert x.token_id == y.token_id
+        assert abs(x.logprob - y.logprob) <= tol
+        for (_, _, va), (_, _, vb) in zip(x.top, y.top):
+            assert abs(va - vb) <= tol
+
+
+def seq_kv(engine: LLMEngine, ids: list[int]):
+    """K, V of a finished prompt's full blocks, read back through the radix tree."""
+    full = (len(ids) - 1) // BS * BS
+    m = engine.cache.match(ids[:full], b"", record_stats=False)
+    assert m.num_tokens == full
+    blocks = torch.tensor(m.block_ids)
+    ks = torch.stack([engine.kv.k[l][blocks].reshape(full, -1) for l in range(engine.kv.num_layers)])
+    vs = torch.stack([engine.kv.v[l][blocks].reshape(full, -1) for l in range(engine.kv.num_layers)])
+    return ks, vs
+
+
+def test_ratio_one_reproduces_full_prefill(checkpoint):
+    blended = make_engine(checkpoint)
+    full = make_engine(checkpoint, enable_blend=False)
+    parts = passages(0, blended.vocab_size)
+    for i, p in enumerate(parts):
+        assert precompute(blended, p, f"pre{i}") == len(p)
+    ids, spans = build_prompt([parts[2], parts[0], parts[1]], head=[5, 6, 7], question=[9, 10, 11])
+    got = generate(blended, "b", ids, spans, blend=True, ratio=1.0)
+    ref = generate(full, "f", ids, spans, blend=False)
+    out = got[2]
+    assert out.blended_tokens == 0 and out.recomputed_tokens == sum(len(p) for p in parts)
+    assert got[0] == ref[0]
+    close(got[1], ref[1], 1e-4)
+    k1, v1 = seq_kv(blended, ids)
+    k2, v2 = seq_kv(full, ids)
+    assert torch.allclose(k1, k2, atol=1e-4, rtol=1e-4) and torch.allclose(v1, v2, atol=1e-4, rtol=1e-4)
+
+
+def test_reused_keys_are_rotated_to_their_new_positions(checkpoint):
+    """Layer-0 K depends only on token and position: a chunk cached at 0..n-1 and re-RoPE'd to q..q+n-1
+    must equal the layer-0 keys a full prefill computes there."""
+    engine = make_engine(checkpoint)
+    full = make_engine(checkpoint, enable_blend=False)
+    parts = passages(1, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt([parts[1], parts[2]], head=[4, 4, 4, 4, 4], question=[8, 8])
+    generate(full, "f", ids, spans, blend=False)
+    k_full, _ = seq_kv(full, ids)
+
+    seq_ids = ids
+    engine.add_request("x", seq_ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
+    seq = engine.seqs["x"]
+    engine.blocks.admit(seq, len(ids))
+    plan = engine.blender.plan(seq)
+    assert plan is not None and plan.spans == spans
+    assert engine.blocks.ensure_capacity(seq, seq.num_tokens)
+    engine.blender.copy_in(seq, plan)
+    engine.blender.release(plan)
+    for start, n in spans:
+        n = min(n, k_full.shape[1] - start)  # the reference holds full blocks only
+        slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(start, start + n)])
+        k0, _ = engine.kv.read_slots(0, slots)
+        assert torch.allclose(k0.reshape(n, -1), k_full[0, start:start + n], atol=1e-5, rtol=1e-5)
+    engine.abort("x")
+    assert engine.cache.stats().in_use_blocks == 0
+
+
+def test_ratio_zero_reuses_everything_and_counts_it(checkpoint):
+    engine = make_engine(checkpoint)
+    parts = passages(2, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3, 3], question=[7, 8, 9])
+    out = generate(engine, "b", ids, spans, blend=True, ratio=0.0)[2]
+    reused = sum(len(p) for p in parts)
+    assert out.blended_tokens == reused and out.recomputed_tokens == 0
+    assert out.cached_tokens == reused  # nothing of this order was a prefix hit
+    snap = engine.snapshot()
+    assert snap["blended_tokens"] == reused and snap["in_use_blocks"] == 0
+    # the blended prompt is now a normal sequence in the tree: the same order again is an exact prefix hit
+    again = generate(engine, "c", ids, spans, blend=True, ratio=0.0)[2]
+    assert again.cached_tokens == (len(ids) - 1) // BS * BS and again.blended_tokens == 0
+
+
+def test_ratio_selects_the_requested_share(checkpoint):
+    engine = make_engine(checkpoint)
+    parts = passages(3, engine.vocab_size, sizes=(20, 20))
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3], question=[7])
+    out = generate(engine, "b", ids, spans, blend=True, ratio=0.25)[2]
+    assert out.recomputed_tokens == 10 and out.blended_tokens == 30
+
+
+def test_no_reusable_chunk_behaves_as_without_blending(checkpoint):
+    on = make_engine(checkpoint)
+    off = make_engine(checkpoint, enable_blend=False)
+    parts = passages(4, on.vocab_size)
+    ids, spans = build_prompt(parts, head=[3, 4], question=[5])
+    a = generate(on, "a", ids, spans, blend=True)
+    b = generate(off, "b", ids, spans, blend=False)
+    assert a[0] == b[0]
+    close(a[1], b[1], 0.0)
+    assert a[2].blended_tokens == 0 and a[2].cached_tokens == b[2].cached_tokens == 0
+
+
+def test_ordinary_traffic_fills_the_chunk_index(checkpoint):
+    engine = make_engine(checkpoint)
+    parts = passages(5, engine.vocab_size)
+    ids, spans = build_prompt(parts, head=[3, 4], question=[5])
+    generate(engine, "a", ids, spans, blend=True)
+    for p in parts:
+        assert engine.chunk_index.contains(p)
+    ids2, spans2 = build_prompt(parts[::-1], head=[6], question=[5])
+    out = generate(engine, "b", ids2, spans2, blend=True, ratio=0.0)[2]
+    assert out.blended_tokens == sum(len(p) for p in parts)
+
+
+def test_chunk_blocks_are_evictable_like_any_cached_block(checkpoint):
+    engine = make_engine(checkpoint, num_gpu_blocks=40)
+    parts = passages(6, engine.vocab_size, sizes=(16, 16))
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    s = engine.cache.stats()
+    assert s.in_use_blocks == 0 and s.evictable_blocks > 0
+    # a long unrelated request needs nearly the whole pool: chunk blocks get evicted, nothing leaks
+    rng = random.Random(9)
+    long = [rng.randrange(3, engine.vocab_size) for _ in range(140)]
+    generate(engine, "big", long, [], blend=False, max_tokens=2)
+    s = engine.cache.stats()
+    assert s.evicted_blocks > 0 and s.in_use_blocks == 0
+    assert s.free_blocks + s.evictable_blocks == s.total_blocks
