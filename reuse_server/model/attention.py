@@ -1,0 +1,116 @@
+"""Attention of an arbitrary set of query tokens against the paged KV pool.
+
+One code path serves prefill, chunked prefill, decode and blending: a step is a flattened batch of query
+tokens, each with its own position; every query token attends to the keys of its sequence at positions
+<= its own (and < the sequence's context length). Query positions of a sequence need not be contiguous."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    # A flattened batch: T query tokens from S sequences; sequence s owns tokens query_start[s]:query_start[s+1].
+    query_start: list[int]  # len S+1
+    block_tables: list[torch.Tensor]  # per sequence: its pool block ids (LongTensor, pool device), in position order
+    context_lens: list[int]  # per sequence: KV positions 0..ctx-1 to attend over (after this step's writes)
+    slot_mapping: torch.Tensor  # [T] where each query token's fresh K/V is written
+    _cache_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.query_start) - 1
+
+    def cached(self, positions: torch.Tensor, key, build):
+        """build(), computed once per positions tensor and key and then shared by every layer of a forward
+        pass (masks, RoPE cos/sin). Keyed on the tensor object: do not modify positions in place."""
+        if self._cache_positions is not positions:
+            self._cache_positions, self._cache = positions, {}
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def sequence_masks(
+        self, positions: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
+    ) -> list["_SequenceMask"]:
+        """Per sequence, how to mask its attention."""
+        key = ("masks", sliding_window, dtype)
+        return self.cached(positions, key, lambda: _build_masks(self, positions, sliding_window, dtype))
+
+
+@dataclass
+class _SequenceMask:
+    is_causal: bool  # queries are exactly positions 0..ctx-1 in order: SDPA's own causal mask is right
+    mask: torch.Tensor | None  # additive [n, ctx]: 0 = may attend, -inf = not; None when nothing is masked
+
+
+def _build_masks(
+    meta: AttentionMetadata, positions: torch.Tensor, window: int | None, dtype: torch.dtype
+) -> list[_SequenceMask]:
+    if len(meta.block_tables) != meta.num_sequences or len(meta.context_lens) != meta.num_sequences:
+        raise ValueError("query_start, block_tables and context_lens disagree on the number of sequences")
+    if meta.query_start[0] != 0 or meta.query_start[-1] != positions.shape[0]:
+        raise ValueError(f"query_start {meta.query_start} does not cover the {positions.shape[0]} query tokens")
+    if meta.slot_mapping.shape[0] != positions.shape[0]:
+        raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {positions.shape[0]} query tokens")
+    host_positions = positions.cpu()
+    out = []
+    for s in range(meta.num_sequences):
+        lo, hi = meta.query_start[s], meta.query_start[s + 1]
+        ctx = meta.context_lens[s]
+        q_pos = host_positions[lo:hi]
+        if hi == lo:
+            out.append(_SequenceMask(False, None))
+            continue
+        if int(q_pos.max()) >= ctx or int(q_pos.min()) < 0:
+            raise ValueError(f"sequence {s}: query positions must lie in [0, {ctx}), got {q_pos.tolist()[:8]}...")
+        windowed = window is not None and ctx > window
+        if not windowed and hi - lo == ctx and torch.equal(q_pos, torch.arange(ctx)):
+            out.append(_SequenceMask(True, None))
+        elif not windowed and int(q_pos.min()) == ctx - 1:
+            out.append(_SequenceMask(False, None))  # every query sees the whole context
+        else:
+            q_dev = positions[lo:hi]
+            k_pos = torch.arange(ctx, device=positions.device)
+            mask = k_pos[None, :] <= q_dev[:, None]
+            if windowed:
+                mask &= k_pos[None, :] > q_dev[:, None] - window
+            # Additive, built once: SDPA would otherwise turn a bool mask into this in every layer.
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            out.append(_SequenceMask(False, additive))
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    meta: AttentionMetadata,
+    masks: list[_SequenceMask],
+    kv,
+    layer_idx: int,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, heads, head_dim] (post-RoPE). The query tokens' own K/V must already be in the pool.
+    Returns [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    for s, seq_mask in enumerate(masks):
+        lo, hi = meta.query_start[s], meta.query_start[s + 1]
+        if hi == lo:
+            continue
+        k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s])
+        # [1, heads, n, hd]: the 4-D layout picks the fused CPU kernel; the 3-D one falls back to the math path.
+        attn = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1).unsqueeze(0),
+            k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            v.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=seq_mask.mask,
+            is_causal=seq_mask.is_causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[lo:hi] = attn.squeeze(0).transpose(0, 1)
+    return out

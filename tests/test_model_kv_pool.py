@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from reuse_server.kv_pool import KVPool
+
+
+def make_pool(num_blocks=6, block_size=4, dtype=torch.float32):
+    return KVPool(num_layers=2, num_blocks=num_blocks, block_size=block_size, num_kv_heads=2, head_dim=3, dtype=dtype, device="cpu")
+
+
+def test_shapes_and_allocation_once():
+    pool = make_pool()
+    assert len(pool.k) == len(pool.v) == 2
+    assert pool.k[0].shape == (6, 4, 2, 3)
+    ptr = pool.k[1].data_ptr()
+    pool.write(1, torch.tensor([5]), torch.ones(1, 2, 3), torch.ones(1, 2, 3))
+    assert pool.k[1].data_ptr() == ptr
+
+
+def test_gather_follows_block_table_order():
+    pool = make_pool()
+    block_table = torch.tensor([4, 1, 3])  # positions 0-3 in block 4, 4-7 in block 1, 8-11 in block 3
+    length = 10
+    k = torch.randn(length, 2, 3)
+    v = torch.randn(length, 2, 3)
+    slots = torch.tensor([int(block_table[p // 4]) * 4 + p % 4 for p in range(length)])
+    pool.write(0, slots, k, v)
+    gk, gv = pool.gather(0, block_table, length)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    other_k, _ = pool.gather(1, block_table, length)  # layers are separate
+    assert not other_k.any()
+    rk, rv = pool.read_slots(0, slots[[7, 2]])
+    assert torch.equal(rk, k[[7, 2]]) and torch.equal(rv, v[[7, 2]])
+
+
+def test_gather_needs_enough_blocks():
+    pool = make_pool()
+    with pytest.raises(ValueError, match="blocks"):
+        pool.gather(0, torch.tensor([0, 1]), 9)
+
+
+def test_write_casts_to_pool_dtype():
+    pool = make_pool(dtype=torch.bfloat16)
+    pool.write(0, torch.tensor([0, 9]), torch.full((2, 2, 3), 1.5), torch.full((2, 2, 3), -2.0))
+    k, v = pool.read_slots(0, torch.tensor([9]))
+    assert k.dtype == torch.bfloat16 and k.float().eq(1.5).all() and v.float().eq(-2.0).all()
+
+
+def test_bytes_per_block_and_from_memory():
+    per_block = KVPool.bytes_per_block(num_layers=2, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float16)
+    assert per_block == 2 * 2 * 4 * 2 * 3 * 2
+    pool = KVPool.from_memory(per_block * 7 + per_block // 2, 2, 4, 2, 3, torch.float16, "cpu")
+    assert pool.num_blocks == 7
+    actual = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
+    assert actual == 7 * per_block
+    with pytest.raises(ValueError, match="no KV block"):
+        KVPool.from_memory(per_block - 1, 2, 4, 2, 3, torch.float16, "cpu")
+
+
+def test_copy_blocks_copies_every_layer():
+    pool = make_pool()
+    for layer in range(2):
+        pool.k[layer].normal_()
+        pool.v[layer].normal_()
+    pool.copy_blocks(torch.tensor([2, 0]), torch.tensor([5, 3]))
+    for layer in range(2):
+        assert torch.equal(pool.k[layer][5], pool.k[layer][2]) and torch.equal(pool.v[layer][3], pool.v[layer][0])

@@ -1,0 +1,139 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from reuse_server.model import ModelConfig, ModelLoadError, load_model, load_tokenizer, resolve_model
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("KV_REUSE_CACHE_DIR", str(path))
+    return path
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelLoadError, match="no such file or folder") as e:
+        resolve_model(str(missing))
+    assert str(missing) in str(e.value)
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "weights.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="has no config.json") as e:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path) in str(e.value) and "weights.gguf" in str(e.value)
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(str(path))
+
+
+@pytest.mark.parametrize("content", [b"this is not a gguf file at all" * 10, b"GGUF" + bytes(range(256)) * 4])
+def test_corrupt_gguf_leaves_no_cache_entry(tmp_path, cache_dir, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file") as e:
+        resolve_model(str(path))
+    assert str(path) in str(e.value)
+    assert list(cache_dir.iterdir()) == []  # the temporary conversion folder was removed
+
+
+def test_hf_folder_resolves_to_itself(tiny_llama_path):
+    assert resolve_model(str(tiny_llama_path)) == tiny_llama_path
+
+
+def test_missing_weights(tiny_llama_path, tmp_path):
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_llama_path, folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(folder)
+
+
+def test_missing_tensor_is_named(tiny_llama_path, tmp_path):
+    folder = tmp_path / "partial"
+    shutil.copytree(tiny_llama_path, folder)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="layers.1.mlp.up_proj.weight"):
+        load_model(folder)
+
+
+def test_unsupported_architecture(tiny_llama_path, tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'"):
+        load_model(folder)
+
+
+def test_sharded_checkpoint_with_index(tiny_llama_path, tmp_path):
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_llama_path, folder)
+    state = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for shard, part in (("model-00001-of-00002.safetensors", names[:half]), ("model-00002-of-00002.safetensors", names[half:])):
+        save_file({n: state[n] for n in part}, folder / shard)
+        weight_map.update({n: shard for n in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model, _ = load_model(folder)
+    reference, _ = load_model(tiny_llama_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+
+
+def test_tokenizer_has_chat_template_and_special_tokens(tiny_llama_path):
+    tokenizer = load_tokenizer(tiny_llama_path)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.decode(tokenizer("any text, even ünïcode")["input_ids"]) == "any text, even ünïcode"
+
+
+def test_config_fields(tiny_qwen2_path):
+    config = ModelConfig.from_hf(json.loads((tiny_qwen2_path / "config.json").read_text()))
+    assert config.architecture == "qwen2" and config.attention_bias and not config.o_proj_bias
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+
+
+def test_config_transformers4_and_5_layouts_agree():
+    common = dict(
+        model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=[5, 6],
+    )
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    v4 = ModelConfig.from_hf({**common, "rope_theta": 500000.0, "rope_scaling": {**scaling, "rope_type": "llama3"}})
+    v5 = ModelConfig.from_hf({**common, "rope_parameters": {**scaling, "rope_type": "llama3", "rope_theta": 500000.0}})
+    assert v4 == v5
+    assert v4.rope_theta == 500000.0 and v4.rope_scaling["rope_type"] == "llama3" and v4.eos_token_ids == (5, 6)
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+        ModelConfig.from_hf({**common, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_bf16_load(tiny_llama_path):
+    model, _ = load_model(tiny_llama_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_generation_config_eos_ids_are_added(tiny_llama_path, tmp_path):
+    folder = tmp_path / "eos"
+    shutil.copytree(tiny_llama_path, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    _, config = load_model(folder)
+    assert config.eos_token_ids == (2, 0)
