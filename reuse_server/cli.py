@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import sys
 
@@ -46,6 +47,62 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1..65535)")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
+def check_layers(text: str) -> tuple[int, ...]:
+    """'1' or '1,4,8': strictly increasing layer indices, each >= 1 (layer 0 has nothing to select on)."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer numbers") from None
+    if layers[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: check layers start at 1 (layer 0 cannot select tokens)")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise argparse.ArgumentTypeError(f"{text!r}: check layers must be strictly increasing")
+    return layers
+
+
+def gradual_factors(text: str) -> tuple[float, ...]:
+    """'1' or '3,2,1': multipliers of the recompute ratio at each check layer, non-increasing, ending in 1."""
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if any(not math.isfinite(f) for f in factors) or any(b > a for a, b in zip(factors, factors[1:])):
+        raise argparse.ArgumentTypeError(f"{text!r}: the factors must be finite and non-increasing")
+    if factors[-1] != 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the last factor must be 1 (the ratio itself)")
+    return factors
+
+
+def separator(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the separator must not be empty")
+    return text
+
+
+def _number_list(values) -> str:
+    return ",".join(f"{v:g}" for v in values)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -94,6 +151,36 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
                        help="which cached blocks to drop first when the pool is full")
     serve.add_argument("--seed", type=int, default=defaults.seed, help="seed for hashing and sampling")
+    blend = serve.add_argument_group(
+        "blending", "Non-prefix KV reuse (CacheBlend): chunks of a prompt (chat messages and text parts, "
+        "--blend-separator pieces, POST /v1/cache/chunks documents) reuse cached KV wherever they appear; "
+        "a share of their tokens is recomputed. A request can override the default with "
+        "kv_blend: {\"enabled\": ..., \"recompute_ratio\": ...}.")
+    switch = blend.add_mutually_exclusive_group()
+    switch.add_argument("--blend", dest="enable_blend", action="store_true", default=defaults.enable_blend,
+                        help="blend requests that do not say otherwise (default: off)")
+    switch.add_argument("--no-blend", dest="enable_blend", action="store_false",
+                        default=defaults.enable_blend, help="blend only requests that ask for it (the default)")
+    blend.add_argument("--blend-recompute-ratio", type=fraction, metavar="RATIO",
+                       default=defaults.blend_recompute_ratio, help="share of the reused tokens recomputed, 0..1")
+    blend.add_argument("--blend-check-layers", type=check_layers, metavar="LAYERS",
+                       default=_number_list(defaults.blend_check_layers),
+                       help="comma-separated layers (>= 1, increasing) where reused tokens are re-selected")
+    blend.add_argument("--blend-gradual-factors", type=gradual_factors, metavar="FACTORS",
+                       default=_number_list(defaults.blend_gradual_factors),
+                       help="one multiplier of the recompute ratio per check layer, non-increasing, ending in 1 "
+                            "(e.g. 3,2,1: three times the ratio kept at the first check layer)")
+    blend.add_argument("--blend-score", default=defaults.blend_score, choices=["k", "v", "kv"],
+                       help="deviation between reused and fresh KV that picks the tokens to recompute")
+    blend.add_argument("--blend-first-tokens", type=non_negative_int, metavar="N",
+                       default=defaults.blend_first_tokens,
+                       help="always recompute each reused chunk's first N tokens (0: off)")
+    blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
+                       help="shortest chunk, in tokens, that is cached and reused")
+    blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
+                       help="/v1/completions: split a text prompt into reusable chunks at this string, "
+                            "which is removed (default: none; the prompt is one piece)")
+    serve.set_defaults(command_parser=serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
     return parser
@@ -105,7 +192,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
-        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed)
+        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed,
+        enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
+        blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
+        blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
+        blend_min_tokens=args.blend_min_tokens, blend_separator=args.blend_separator)
+
+
+def blend_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong across the blending flags (each flag is checked alone by its type), or None."""
+    if len(args.blend_gradual_factors) != len(args.blend_check_layers):
+        return (f"--blend-gradual-factors has {len(args.blend_gradual_factors)} values but --blend-check-layers "
+                f"has {len(args.blend_check_layers)} layers; give one factor per check layer")
+    return None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -128,6 +227,9 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad flags: argparse prints usage and a message, exits 2
     if args.command == "serve":
+        problem = blend_flags_problem(args)
+        if problem:
+            args.command_parser.error(problem)
         return serve(args)
     return 2
 

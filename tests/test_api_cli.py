@@ -11,7 +11,9 @@ from reuse_server.config import EngineConfig
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--block-size",
          "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-         "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level"]
+         "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level", "--blend", "--no-blend",
+         "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
+         "--blend-first-tokens", "--blend-min-tokens", "--blend-separator"]
 
 
 def test_help_documents_every_flag_with_its_default(capsys):
@@ -22,9 +24,11 @@ def test_help_documents_every_flag_with_its_default(capsys):
     for flag in FLAGS:
         assert flag in text, flag
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
-                  "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)"]:
+                  "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
+                  "(default: off)", "(default: 0.15)", "(default: 1)", "(default: k)", "(default: 32)",
+                  "(default: none"]:
         assert shown in text, shown
-    assert text.count("(default") >= len(FLAGS)
+    assert text.count("(default") >= len(FLAGS) - 1  # --no-blend says "(the default)"
 
 
 def test_defaults_match_engine_config():
@@ -41,6 +45,18 @@ def test_flags_reach_engine_config():
         model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", block_size=32, num_gpu_blocks=100,
         kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,
         enable_prefix_cache=False, hash_algo="sha256", eviction_policy="lfu", seed=9)
+
+
+def test_blend_flags_reach_engine_config():
+    args = build_parser().parse_args([
+        "serve", "--blend", "--blend-recompute-ratio", "0.3", "--blend-check-layers", "1,4,8",
+        "--blend-gradual-factors", "3,2,1", "--blend-score", "kv", "--blend-first-tokens", "2",
+        "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
+    assert engine_config(args) == EngineConfig(
+        model="smollm2", enable_blend=True, blend_recompute_ratio=0.3, blend_check_layers=(1, 4, 8),
+        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="kv", blend_first_tokens=2, blend_min_tokens=8,
+        blend_separator="\n\n###\n\n")
+    assert engine_config(build_parser().parse_args(["serve", "--no-blend"])).enable_blend is False
 
 
 @pytest.mark.parametrize("text, size", [("1GiB", 1 << 30), ("512MiB", 512 << 20), ("512mib", 512 << 20),
@@ -60,6 +76,19 @@ def test_parse_size(text, size):
     (["--eviction-policy", "fifo"], "invalid choice"),
     (["--max-num-seqs", "x"], "not an integer"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--blend-recompute-ratio", "1.5"], "not in [0, 1]"),
+    (["--blend-recompute-ratio", "nan"], "not in [0, 1]"),
+    (["--blend-check-layers", "0"], "start at 1"),
+    (["--blend-check-layers", "2,1"], "strictly increasing"),
+    (["--blend-check-layers", "1,x"], "comma-separated list"),
+    (["--blend-gradual-factors", "1,2"], "non-increasing"),
+    (["--blend-gradual-factors", "3,2"], "last factor must be 1"),
+    (["--blend-check-layers", "1,2", "--blend-gradual-factors", "1"], "one factor per check layer"),
+    (["--blend-score", "q"], "invalid choice"),
+    (["--blend", "--no-blend"], "not allowed with"),
+    (["--blend-first-tokens", "-1"], "must not be negative"),
+    (["--blend-min-tokens", "0"], "at least 1"),
+    (["--blend-separator", ""], "must not be empty"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -5,13 +5,16 @@ import json
 
 import pytest
 from pydantic import ValidationError
+from tokenizers.processors import TemplateProcessing
 
+from blend.chunking import encode, render_chat_chunks
 from reuse_server.api.chat import chat_chunks
-from reuse_server.api.chat_template import render_chat_prompt
-from reuse_server.api.completions import completion_chunks, completion_prompt_ids
+from reuse_server.api.chat_template import PART_SEPARATOR, conversation, render_chat_prompt
+from reuse_server.api.completions import completion_chunks, completion_prompt
 from reuse_server.api.errors import describe_validation_error
 from reuse_server.api.generation import SSE_DONE, cache_options, check_common, sampling_params, sse_events
-from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest
+from reuse_server.api.prompt_chunks import leading_special_tokens
+from reuse_server.api.protocol import CacheChunksRequest, ChatCompletionRequest, CompletionRequest
 from reuse_server.outputs import RequestOutput, TokenLogprob
 from reuse_server.sampling_params import InvalidRequest
 from tiny_checkpoint import build_tokenizer
@@ -28,9 +31,9 @@ def tokenizer():
 @pytest.mark.parametrize("prompt", ["hello", [5, 6, 7], ["hello"], [[5, 6, 7]]])
 def test_completion_prompt_shapes_accepted(prompt, tokenizer):
     req = CompletionRequest(prompt=prompt)
-    ids = completion_prompt_ids(tokenizer, req.prompt)
+    ids, spans = completion_prompt(tokenizer, req.prompt)
     expected = tokenizer.encode("hello") if "hello" in json.dumps(prompt) else [5, 6, 7]
-    assert ids == expected
+    assert ids == expected and spans == []
 
 
 @pytest.mark.parametrize("prompt", [[1, "a"], [["a"]], 5, {"text": "x"}, [1.5]])
@@ -44,14 +47,40 @@ def test_completion_prompt_bad_shapes_rejected(prompt):
 @pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
 def test_batched_prompts_rejected(prompt, tokenizer):
     with pytest.raises(InvalidRequest) as err:
-        completion_prompt_ids(tokenizer, CompletionRequest(prompt=prompt).prompt)
+        completion_prompt(tokenizer, CompletionRequest(prompt=prompt).prompt)
     assert err.value.param == "prompt" and "2 prompts" in err.value.message
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]]])
-def test_empty_prompt_rejected(prompt, tokenizer):
+@pytest.mark.parametrize("prompt, separator", [("", None), ([], None), ([[]], None), ("", "##"), ("####", "##")])
+def test_empty_prompt_rejected(prompt, separator, tokenizer):
     with pytest.raises(InvalidRequest, match="empty"):
-        completion_prompt_ids(tokenizer, CompletionRequest(prompt=prompt).prompt)
+        completion_prompt(tokenizer, CompletionRequest(prompt=prompt).prompt, separator)
+
+
+def test_separator_splits_a_text_prompt_into_reusable_chunks(tokenizer):
+    pieces = ["Paris is the capital of France. ", "The quick brown fox. ", "Where is Paris?"]
+    ids, spans = completion_prompt(tokenizer, "##".join(pieces), "##")
+    alone = [list(encode(tokenizer, p)) for p in pieces]
+    assert ids == [t for a in alone for t in a]  # each piece tokenized alone, the separator removed
+    assert spans == [(0, len(alone[0])), (len(alone[0]), len(alone[1])),
+                     (len(alone[0]) + len(alone[1]), len(alone[2]))]
+    # the tokens of a piece do not depend on what surrounds it
+    ids2, spans2 = completion_prompt(tokenizer, pieces[1] + "##" + pieces[0], "##")
+    assert ids2[spans2[1][0]:] == alone[0]
+    # token-id prompts and prompts without a server separator have no chunks
+    assert completion_prompt(tokenizer, [5, 6, 7], "##") == ([5, 6, 7], [])
+    assert completion_prompt(tokenizer, "##".join(pieces), None).chunk_spans == []
+
+
+def test_separator_keeps_the_tokenizers_leading_special_tokens():
+    bos_tok = build_tokenizer()  # a Llama-style tokenizer: encode() prepends BOS (id 1)
+    bos_tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                            special_tokens=[("<|im_start|>", 1)])
+    assert leading_special_tokens(bos_tok) == [1] and leading_special_tokens(build_tokenizer()) == []
+    ids, spans = completion_prompt(bos_tok, "abc##def", "##")
+    assert ids == [1, *encode(bos_tok, "abc"), *encode(bos_tok, "def")]
+    assert spans == [(1, len(encode(bos_tok, "abc"))), (1 + len(encode(bos_tok, "abc")), len(encode(bos_tok, "def")))]
+    assert completion_prompt(bos_tok, "abcdef").token_ids[0] == 1  # as without a separator
 
 
 def test_unknown_top_level_fields_ignored_but_not_inside_kv_blend():
@@ -73,10 +102,13 @@ def test_recompute_ratio_out_of_range(ratio):
 def test_cache_options_from_extensions():
     req = CompletionRequest(prompt="x", prefix_cache=False, cache_salt="tenant-a",
                             kv_blend={"enabled": True, "recompute_ratio": 0.25})
-    opts = cache_options(req)
+    opts = cache_options(req, [(0, 9), (12, 40)])
     assert (opts.prefix_cache, opts.cache_salt, opts.blend, opts.recompute_ratio) == (False, "tenant-a", True, 0.25)
+    assert opts.chunk_spans == [(0, 9), (12, 40)] and not opts.precompute_only
     default = cache_options(CompletionRequest(prompt="x"))
     assert (default.prefix_cache, default.cache_salt, default.blend, default.recompute_ratio) == (True, None, None, None)
+    assert default.chunk_spans == []
+    assert cache_options(CompletionRequest(prompt="x", kv_blend={"enabled": False})).blend is False
 
 
 def test_sampling_params_mapping_and_ranges():
@@ -109,17 +141,51 @@ def test_n_and_stream_options_checks():
 # ---------------------------------------------------------------- chat messages
 
 
-def test_chat_parts_joined_and_rendered_with_template(tokenizer):
-    req = ChatCompletionRequest(messages=[
+def _chat_chunk_case():
+    messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Document one. "}, {"type": "text", "text": "Q?"}]},
-    ])
-    ids = render_chat_prompt(tokenizer, req.messages)
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Document one. Q?"}],
-        add_generation_prompt=True, tokenize=False)
+        {"role": "user", "content": [{"type": "text", "text": "Document one. "}, {"type": "text", "text": "capi"},
+                                     {"type": "text", "text": "tal of France?"}]},
+    ]
+    joined = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Document one. capital of France?"}]
+    return ChatCompletionRequest(messages=messages).messages, joined
+
+
+def test_chat_chunks_concatenate_to_the_templates_rendering(tokenizer):
+    messages, joined = _chat_chunk_case()
+    chunks = render_chat_chunks(tokenizer, conversation(messages), part_separator=PART_SEPARATOR)
+    text = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+    assert "".join(c.text for c in chunks) == text  # parts are joined verbatim, as the template sees them
     assert text.endswith("<|im_start|>assistant\n")
-    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert [c.text for c in chunks if c.reusable] == ["Be brief.", "Document one. ", "capi", "tal of France?"]
+
+
+def test_chat_prompt_is_the_chunks_tokenized_alone(tokenizer):
+    messages, joined = _chat_chunk_case()
+    ids, spans = render_chat_prompt(tokenizer, messages)
+    chunks = render_chat_chunks(tokenizer, conversation(messages), part_separator=PART_SEPARATOR)
+    assert ids == [t for c in chunks for t in encode(tokenizer, c.text)]
+    assert [tokenizer.decode(ids[s:s + n]) for s, n in spans] == ["Be brief.", "Document one. ", "capi",
+                                                                  "tal of France?"]
+    assert [ids[s:s + n] for s, n in spans][1:] == [list(encode(tokenizer, t)) for t in
+                                                   ["Document one. ", "capi", "tal of France?"]]
+    # Tokenizing the whole rendering at once merges across the "capi" | "tal" boundary: the chunked prompt
+    # differs from it in tokens but not in text.
+    whole = tokenizer.encode(tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False)
+    assert ids != whole and tokenizer.decode(ids) == tokenizer.decode(whole)
+
+
+def test_chat_message_position_does_not_change_its_tokens(tokenizer):
+    passage = {"type": "text", "text": "A paged KV cache stores keys and values in fixed-size blocks."}
+    other = {"type": "text", "text": "The quick brown fox jumps over the lazy dog. "}
+    a = render_chat_prompt(tokenizer, ChatCompletionRequest(messages=[
+        {"role": "user", "content": [other, passage]}]).messages)
+    b = render_chat_prompt(tokenizer, ChatCompletionRequest(messages=[
+        {"role": "system", "content": "hi"}, {"role": "user", "content": [passage, other]}]).messages)
+    (sa, na), (sb, nb) = a.chunk_spans[1], b.chunk_spans[1]
+    assert na == nb and a.token_ids[sa:sa + na] == b.token_ids[sb:sb + nb]
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -133,6 +199,16 @@ def test_bad_chat_content_rejected(content, needle):
         ChatCompletionRequest(messages=[{"role": "user", "content": content}])
     message, param = describe_validation_error(err.value.errors())
     assert param == "messages[0].content" and needle in message
+
+
+def test_cache_chunks_request_checks():
+    assert CacheChunksRequest(chunks=["a", "b"], cache_salt="t").chunks == ["a", "b"]
+    for body, param in [({"chunks": []}, "chunks"), ({"chunks": ["a", ""]}, "chunks[1]"),
+                        ({"chunks": ["a"] * 257}, "chunks"), ({"chunks": [3]}, "chunks[0]"),
+                        ({"chunks": ["a"], "max_tokens": 3}, "max_tokens"), ({}, "chunks")]:
+        with pytest.raises(ValidationError) as err:
+            CacheChunksRequest.model_validate(body)
+        assert describe_validation_error(err.value.errors())[1] == param, body
 
 
 def test_bad_role_and_empty_messages_rejected():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
+
+from blend.chunking import encode, render_chat_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -27,13 +30,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_path, tmp_path_factory):
+@contextmanager
+def running_server(model_path, log_path: Path, *extra_args: str):
+    """`reuse-server serve` on the tiny checkpoint in a subprocess; yields its base URL once /health answers.
+    On the way out: stops it and fails if its log holds a traceback."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--model", str(tiny_llama_path),
-           "--served-model-name", MODEL, "--port", str(port), "--block-size", str(BLOCK_SIZE),
-           "--num-gpu-blocks", "512", "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--model", str(model_path),
+           "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning", *extra_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -59,6 +62,14 @@ def server(tiny_llama_path, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_path, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(tiny_llama_path, log_path, "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", "512",
+                        "--max-model-len", str(MAX_MODEL_LEN)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +127,11 @@ def test_chat_completion(client, tokenizer):
     choice = resp.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason == "length"
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert resp.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+    # chat prompts are the template's rendering cut into chunks (framing, each content), each tokenized alone
+    chunks = render_chat_chunks(tokenizer, messages)
+    assert "".join(c.text for c in chunks) == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                            tokenize=False)
+    assert resp.usage.prompt_tokens == sum(len(encode(tokenizer, c.text)) for c in chunks)
     assert resp.usage.completion_tokens == 5
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 5
 

@@ -36,7 +36,7 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
     check_model(body, engine.model_id)
     check_common(body)
     logprobs = requested_logprobs(body)
-    prompt_ids = render_chat_prompt(engine.tokenizer, body.messages)
+    prompt_ids, chunk_spans = render_chat_prompt(engine.tokenizer, body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
@@ -45,7 +45,7 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body))
+    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body, chunk_spans))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = chat_chunks(outputs, request_id, created, engine.model_id, include_usage, logprobs is not None)

@@ -1,23 +1,41 @@
-"""Chat messages -> prompt token ids. One function, so blending can later replace it with a chunked version."""
+"""Chat messages -> prompt token ids and reusable chunk spans.
+
+Every message's content is its own chunk, and so is every text part of a list content (a RAG client puts
+one passage per part); the template's framing between them (role headers, end-of-turn markers, the
+generation prompt) forms small chunks that are always computed. See `blend.chunking.render_chat_chunks`.
+"""
 from __future__ import annotations
 
+from blend.chunking import render_chat_chunks
 from jinja2 import TemplateError
 
+from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
 from reuse_server.sampling_params import InvalidRequest
 
+# Text parts of one message are joined verbatim: the client picks any separator (e.g. a trailing "\n\n").
+PART_SEPARATOR = ""
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("The served model has no chat template; use /v1/completions instead.", "messages")
-    conversation = []
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them; list content stays a list of text parts."""
+    out = []
     for m in messages:
-        entry = {"role": m.role, "content": m.text()}
+        entry = {"role": m.role, "content": m.content if m.content is not None else ""}
+        if isinstance(m.content, list):
+            entry["content"] = [{"type": "text", "text": part["text"]} for part in m.content]
         if m.name is not None:
             entry["name"] = m.name
-        conversation.append(entry)
+        out.append(entry)
+    return out
+
+
+def render_chat_prompt(tokenizer, messages: list[ChatMessage]) -> PromptChunks:
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("The served model has no chat template; use /v1/completions instead.", "messages")
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        chunks = render_chat_chunks(tokenizer, conversation(messages), add_generation_prompt=True,
+                                    part_separator=PART_SEPARATOR)
     except TemplateError as exc:  # e.g. a template that insists roles alternate
         raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
+    return from_chunks(chunks)

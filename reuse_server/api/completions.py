@@ -8,24 +8,35 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from blend.chunking import split_by_separator, tokenize_chunks
+
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
                                          sampling_params, sse_events, usage_from)
+from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from reuse_server.outputs import RequestOutput, TokenLogprob
 from reuse_server.sampling_params import InvalidRequest
 
 
-def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
+def completion_prompt(tokenizer, prompt: str | list, separator: str | None = None) -> PromptChunks:
+    """A text prompt is one piece, or with the server's --blend-separator the pieces between separators,
+    each tokenized alone and reusable; a token-id prompt is taken as is, with no chunks."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > 1:
             raise InvalidRequest(
                 f"Batched prompts are not supported: got {len(prompt)} prompts; send one prompt per request.",
                 "prompt")
         prompt = prompt[0]
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
+    if not isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("The prompt is empty.", "prompt")
+        return PromptChunks(list(prompt), [])
+    pieces = split_by_separator(prompt, separator) if separator else [prompt] if prompt else []
+    if not pieces:
         raise InvalidRequest("The prompt is empty.", "prompt")
-    return ids
+    if separator:
+        return from_chunks(tokenize_chunks(tokenizer, pieces), prefix=leading_special_tokens(tokenizer))
+    return PromptChunks(list(tokenizer.encode(prompt)), [])
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
@@ -45,13 +56,13 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
     check_common(body)
     if body.echo:
         raise InvalidRequest("echo is not supported.", "echo")
-    prompt_ids = completion_prompt_ids(engine.tokenizer, body.prompt)
+    prompt_ids, chunk_spans = completion_prompt(engine.tokenizer, body.prompt, engine.config.blend_separator)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body))
+    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body, chunk_spans))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(outputs, request_id, created, engine.model_id, include_usage,

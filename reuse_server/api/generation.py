@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -20,6 +20,7 @@ from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingP
 logger = logging.getLogger("reuse_server.api")
 
 DISCONNECT_POLL_SECONDS = 0.2
+T = TypeVar("T")
 
 
 def check_model(body: GenerationRequest, served: str) -> None:
@@ -53,13 +54,14 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
     return params
 
 
-def cache_options(body: GenerationRequest) -> CacheOptions:
+def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = ()) -> CacheOptions:
     blend = body.kv_blend
     return CacheOptions(
         prefix_cache=body.prefix_cache is not False,
         cache_salt=body.cache_salt,
         blend=None if blend is None else blend.enabled,
         recompute_ratio=None if blend is None else blend.recompute_ratio,
+        chunk_spans=list(chunk_spans),
     )
 
 
@@ -74,14 +76,11 @@ def usage_from(out: RequestOutput) -> Usage:
     )
 
 
-async def collect(outputs: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput]:
-    """All outputs of a request. Polls the connection meanwhile: uvicorn does not cancel a handler whose
-    client left, so without this a gone client would keep its sequence (and KV blocks) busy to the end."""
-
-    async def drain() -> list[RequestOutput]:
-        return [out async for out in outputs]
-
-    task = asyncio.ensure_future(drain())
+async def until_done_or_disconnected(awaitable: Awaitable[T], request: Request) -> T:
+    """Await `awaitable`, polling the connection meanwhile: uvicorn does not cancel a handler whose client
+    left, so without this a gone client would keep its sequences (and KV blocks) busy to the end.
+    On a disconnect the work is cancelled and ClientDisconnected raised."""
+    task = asyncio.ensure_future(awaitable)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
@@ -93,6 +92,17 @@ async def collect(outputs: AsyncIterator[RequestOutput], request: Request) -> li
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput]:
+    """All outputs of a request; the request is aborted if the client leaves first."""
+
+    async def drain() -> list[RequestOutput]:
+        return [out async for out in outputs]
+
+    try:
+        return await until_done_or_disconnected(drain(), request)
+    finally:
         await outputs.aclose()  # the engine aborts a request whose iterator closes before it finished
 
 

@@ -1,12 +1,14 @@
-"""OpenAI-shaped request and response bodies for /v1/completions and /v1/chat/completions.
+"""Request and response bodies: OpenAI-shaped for /v1/completions and /v1/chat/completions, our own for
+/v1/cache/chunks.
 
 Unknown top-level request fields are ignored (as OpenAI-compatible servers do); unknown fields inside our
-own `kv_blend` extension are rejected, since a typo there would silently change what gets measured.
+own `kv_blend` extension and in our own /v1/cache/chunks body are rejected, since a typo there would
+silently change what gets measured.
 Value ranges (temperature, top_p, ...) are checked by SamplingParams.validate so every entry point agrees.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,7 +37,16 @@ def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
     return None
 
 
+def _check_unicode(cls, data: Any) -> Any:
+    where = _lone_surrogate_path(data)
+    if where:
+        raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
+    return data
+
+
 # ---------------------------------------------------------------- requests
+
+MAX_PRECOMPUTE_CHUNKS = 256
 
 
 class KVBlendOptions(BaseModel):
@@ -71,13 +82,7 @@ class GenerationRequest(BaseModel):
     cache_salt: str | None = None
     kv_blend: KVBlendOptions | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        where = _lone_surrogate_path(data)
-        if where:
-            raise ValueError(f"{where} is not valid Unicode text (it holds a lone surrogate)")
-        return data
+    _valid_unicode = model_validator(mode="before")(_check_unicode)
 
 
 def _check_prompt(value: Any) -> Any:
@@ -126,14 +131,6 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"part {i}: a text part needs a non-empty 'text' string")
         return value
 
-    def text(self) -> str:
-        """The message's text; list-of-parts content is concatenated verbatim (the client picks separators)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part["text"] for part in self.content)
-
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -141,6 +138,18 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+
+
+class CacheChunksRequest(BaseModel):
+    """POST /v1/cache/chunks: documents to compute and file in the chunk index before any question arrives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    chunks: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_PRECOMPUTE_CHUNKS)
+    cache_salt: str | None = None
+
+    _valid_unicode = model_validator(mode="before")(_check_unicode)
 
 
 # ---------------------------------------------------------------- responses
@@ -262,3 +271,18 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class CachedChunk(BaseModel):
+    index: int
+    tokens: int
+    stored_tokens: int  # newly filed in the chunk index by this call
+    already_cached: bool
+    skipped: str | None = Field(None, exclude_if=_drop_if_none)  # why nothing was stored, if so
+
+
+class CacheChunksResponse(BaseModel):
+    object: Literal["cache.chunks"] = "cache.chunks"
+    model: str
+    stored_tokens: int
+    chunks: list[CachedChunk]

@@ -7,10 +7,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.chat import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import ClientDisconnected, ModelNotFound, internal_error
-from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from reuse_server.api.protocol import (CacheChunksRequest, ChatCompletionRequest, CompletionRequest, ModelCard,
+                                       ModelList)
 from reuse_server.sampling_params import InvalidRequest
 
 router = APIRouter()
@@ -42,6 +44,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _answer(create_chat_completion, body, request)
+
+
+@router.post("/v1/cache/chunks")
+async def cache_chunks(body: CacheChunksRequest, request: Request) -> Response:
+    return await _answer(precompute_chunks, body, request)
 
 
 async def _answer(handler, body, request: Request) -> Response:

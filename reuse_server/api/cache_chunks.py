@@ -1,0 +1,81 @@
+"""POST /v1/cache/chunks: compute documents' KV and file it in the chunk index before any question arrives,
+so the first prompt that quotes them (anywhere, in any order) can blend them instead of computing them.
+
+Each chunk is tokenized exactly as a chat text part or a --blend-separator piece is (alone, no special
+tokens), so its key matches theirs. The chunks of one call run concurrently, as ordinary precompute-only
+requests that generate nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextlib import aclosing
+
+from blend.chunking import encode
+from fastapi import Request
+from fastapi.responses import Response
+
+from reuse_server.api.errors import ModelNotFound
+from reuse_server.api.generation import until_done_or_disconnected
+from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
+from reuse_server.outputs import RequestOutput
+from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+
+
+def check_lengths(chunks: list[list[int]], limit: int) -> None:
+    """A chunk is computed as a prompt of its own: it must leave the one token a prompt needs."""
+    for i, ids in enumerate(chunks):
+        if len(ids) >= limit:
+            raise InvalidRequest(
+                f"chunks[{i}] has {len(ids)} tokens, but this model's maximum context length is {limit} "
+                f"tokens, so a chunk can have at most {limit - 1}.", f"chunks[{i}]", "context_length_exceeded")
+
+
+async def precompute_one(engine, token_ids: list[int], salt: str | None) -> RequestOutput:
+    # blend=False: a chunk already in the index would otherwise be blended from itself, and a blended
+    # chunk is neither registered again nor reported as present.
+    options = CacheOptions(chunk_spans=[(0, len(token_ids))], precompute_only=True, cache_salt=salt, blend=False)
+    last = None
+    async with aclosing(engine.generate(f"chunk-{uuid.uuid4().hex}", token_ids,
+                                        SamplingParams(max_tokens=1, temperature=0.0), options)) as outputs:
+        async for out in outputs:
+            last = out
+    return last
+
+
+async def precompute_all(engine, chunks: list[list[int]], salt: str | None) -> list[RequestOutput]:
+    tasks = [asyncio.ensure_future(precompute_one(engine, ids, salt)) for ids in chunks]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:  # one failed or the client left: stop the rest too (their requests are aborted)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def chunk_result(index: int, num_tokens: int, out: RequestOutput | None, min_tokens: int) -> CachedChunk:
+    if out is None:
+        return CachedChunk(index=index, tokens=num_tokens, stored_tokens=0, already_cached=False,
+                           skipped=f"shorter than {min_tokens} tokens")
+    present = out.chunk_tokens_present > 0
+    skipped = None
+    if not present and not out.chunk_tokens_stored:
+        skipped = "no free KV cache blocks to hold it"
+    return CachedChunk(index=index, tokens=num_tokens, stored_tokens=out.chunk_tokens_stored,
+                       already_cached=present, skipped=skipped)
+
+
+async def precompute_chunks(engine, body: CacheChunksRequest, request: Request) -> Response:
+    if body.model is not None and body.model != engine.model_id:
+        raise ModelNotFound(body.model, engine.model_id)
+    chunks = [list(encode(engine.tokenizer, text)) for text in body.chunks]
+    check_lengths(chunks, engine.max_model_len)  # before any KV block is touched
+    min_tokens = engine.config.blend_min_tokens
+    todo = [i for i, ids in enumerate(chunks) if len(ids) >= min_tokens]
+    finals = await until_done_or_disconnected(
+        precompute_all(engine, [chunks[i] for i in todo], body.cache_salt), request)
+    by_index = dict(zip(todo, finals))
+    results = [chunk_result(i, len(ids), by_index.get(i), min_tokens) for i, ids in enumerate(chunks)]
+    response = CacheChunksResponse(model=engine.model_id, stored_tokens=sum(r.stored_tokens for r in results),
+                                   chunks=results)
+    return Response(response.model_dump_json(), media_type="application/json")
