@@ -50,6 +50,7 @@ class BlendSettings:
 class Reuse:
     start: int  # prompt position the chunk starts at
     hit: ChunkHit
+    skip: int = 0  # leading chunk tokens already served by the exact prefix match
 
 
 @dataclass
@@ -61,7 +62,11 @@ class BlendPlan:
     @property
     def spans(self) -> list[tuple[int, int]]:
         """(prompt position, tokens) of each reused piece."""
-        return [(r.start, r.hit.num_tokens) for r in self.reuses]
+        return [(r.start + r.skip, r.hit.num_tokens - r.skip) for r in self.reuses]
+
+    @property
+    def chunk_starts(self) -> set[int]:
+        return {r.start for r in self.reuses}
 
 
 class Blender:
@@ -74,8 +79,8 @@ class Blender:
         settings.schedule(settings.recompute_ratio).validate_for(len(model.layers))
         self.registered_chunks = 0
 
-    def _spans_after(self, seq: Sequence, start: int) -> list[tuple[int, int]]:
-        return [(s, n) for s, n in seq.cache.chunk_spans if s >= start and n >= self.index.min_tokens]
+    def _spans_ending_after(self, seq: Sequence, pos: int) -> list[tuple[int, int]]:
+        return [(s, n) for s, n in seq.cache.chunk_spans if s + n > pos and n >= self.index.min_tokens]
 
     # 1. plan ------------------------------------------------------------------------------
     def plan(self, seq: Sequence) -> BlendPlan | None:
@@ -84,11 +89,12 @@ class Blender:
             return None
         salt = seq.extra_key
         reuses = []
-        for start, n in self._spans_after(seq, seq.num_computed):
+        for start, n in self._spans_ending_after(seq, seq.num_computed):
             hit = self.index.lookup(seq.prompt_ids[start:start + n], salt)
-            if hit is not None:
+            skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
+            if hit is not None and hit.num_tokens > skip:
                 self.index.cache.lock(hit.match.node)
-                reuses.append(Reuse(start, hit))
+                reuses.append(Reuse(start, hit, skip))
         if not reuses:
             return None
         ratio = seq.cache.recompute_ratio
@@ -115,9 +121,9 @@ class Blender:
     def copy_in(self, seq: Sequence, plan: BlendPlan) -> None:
         for r in plan.reuses:
             n = r.hit.num_tokens
-            src = self._slots(r.hit.block_ids, range(n))
-            dst = self._slots(seq.block_table, range(r.start, r.start + n))
-            pos = torch.arange(n, device=dst.device)
+            src = self._slots(r.hit.block_ids, range(r.skip, n))
+            dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
+            pos = torch.arange(r.skip, n, device=dst.device)
             self._copy(src, dst, pos, pos + r.start)
 
     # 3. forward ---------------------------------------------------------------------------
@@ -177,7 +183,7 @@ class Blender:
         computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
         salt = seq.extra_key
         stored = present = 0
-        for start, n in self._spans_after(seq, 0):
+        for start, n in self._spans_ending_after(seq, 0):
             if start in skip or start + n > seq.num_computed:
                 continue
             tokens = seq.prompt_ids[start:start + n]

@@ -6,9 +6,15 @@ tree, which takes ownership; the sequence then locks the deeper node instead.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from radix import OutOfBlocks, RadixCache
 
 from reuse_server.sequence import Sequence
+
+# Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace
+# so that requests which did not ask for blending only ever hit exact KV.
+APPROXIMATE = b"\x00approx"
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -16,10 +22,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
+                 copy_blocks: Callable[[list[int], list[int]], None] | None = None) -> None:
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.copy_blocks = copy_blocks
+
+    @staticmethod
+    def publish_key(seq: Sequence) -> bytes:
+        return seq.extra_key + APPROXIMATE if seq.approximate else seq.extra_key
 
     def _caches(self, seq: Sequence) -> bool:
         return self.enable_prefix_cache and seq.uses_prefix_cache
@@ -34,12 +46,19 @@ class BlockManager:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
-    def admit(self, seq: Sequence, first_chunk_tokens: int) -> bool:
+    def admit(self, seq: Sequence, first_chunk_tokens: int, allow_approximate: bool = False) -> bool:
         """Match seq's prefix, lock it, and allocate blocks for the first chunk. False (nothing held) if
-        the pool cannot take it now."""
+        the pool cannot take it now. With allow_approximate (the request accepts blending) the prefix may
+        also come from an earlier blended sequence."""
         assert not seq.block_table and seq.node is None
         if self._caches(seq):
-            match = self.cache.match(self._matchable(seq), seq.extra_key, record_stats=seq.cached_tokens is None)
+            tokens = self._matchable(seq)
+            match = self.cache.match(tokens, seq.extra_key, record_stats=False)
+            if allow_approximate:
+                approx = self.cache.match(tokens, seq.extra_key + APPROXIMATE, record_stats=False)
+                if approx.num_tokens > match.num_tokens:
+                    match = approx
+                    seq.approximate = True
             self.cache.lock(match.node)
             seq.node = match.node
             seq.block_table = list(match.block_ids)
@@ -74,7 +93,9 @@ class BlockManager:
         if full <= seq.num_inserted_blocks:
             return
         tokens = seq.token_ids[: full * self.block_size]
-        result = self.cache.insert(tokens, seq.block_table[:full], seq.extra_key)
+        if seq.unpublishable:
+            return
+        result = self.cache.insert(tokens, seq.block_table[:full], self.publish_key(seq))
         self.cache.lock(result.node)
         if seq.node is not None:
             self.cache.unlock(seq.node)
@@ -82,11 +103,31 @@ class BlockManager:
         seq.owned.difference_update(result.inserted_block_ids)
         if result.duplicate_block_ids:
             # Another sequence published the same blocks first: use the tree's copies, free ours.
-            tree_blocks = self.cache.match(tokens, seq.extra_key, record_stats=False).block_ids
+            tree_blocks = self.cache.match(tokens, self.publish_key(seq), record_stats=False).block_ids
             seq.block_table[:full] = tree_blocks
             seq.owned.difference_update(result.duplicate_block_ids)
             self.cache.free(result.duplicate_block_ids)
         seq.num_inserted_blocks = full
+
+    def make_approximate(self, seq: Sequence) -> None:
+        """seq's KV is about to become approximate (blended). Its leading blocks belong to the exact tree;
+        give it private copies so its whole chain can be filed under the approximate namespace."""
+        if seq.approximate or not self._caches(seq):
+            return
+        n = seq.num_inserted_blocks
+        if n:
+            try:
+                copies = self.cache.allocate(n)
+            except OutOfBlocks:
+                seq.unpublishable = True  # never file approximate KV where exact KV is expected
+                return
+            self.copy_blocks(seq.block_table[:n], copies)
+            seq.block_table[:n] = copies
+            seq.owned.update(copies)
+            self.cache.unlock(seq.node)
+            seq.node = None
+            seq.num_inserted_blocks = 0
+        seq.approximate = True
 
     def release(self, seq: Sequence) -> None:
         """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached."""
@@ -99,3 +140,5 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         seq.num_inserted_blocks = 0
+        seq.approximate = False
+        seq.unpublishable = False

@@ -57,7 +57,7 @@ class LLMEngine:
             raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
         self.kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, config.device)
         self.cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, seed=config.seed, policy=config.eviction_policy)
-        self.blocks = BlockManager(self.cache, bs, config.enable_prefix_cache)
+        self.blocks = BlockManager(self.cache, bs, config.enable_prefix_cache, self._copy_blocks)
         self.chunk_index = ChunkIndex(self.cache, bs, self.model_id, pad_token=mc.vocab_size,
                                       min_tokens=config.blend_min_tokens)
         self.blender = Blender(self.model, self.kv, self.chunk_index, BlendSettings(
@@ -141,9 +141,11 @@ class LLMEngine:
             rows.update((id(seq), logits[i]) for i, seq in enumerate(sampled_plain))
         for c in chunks:
             if c.seq.blend_plan is not None:
-                c.seq.reused_starts = {s for s, _ in c.seq.blend_plan.spans}
+                c.seq.reused_starts = c.seq.blend_plan.chunk_starts
                 rows[id(c.seq)] = self.blender.prefill(c.seq, c.seq.blend_plan)[0]
                 c.seq.blend_plan = None
+                if c.seq.blended_tokens:  # anything not recomputed makes the KV approximate
+                    self.blocks.make_approximate(c.seq)
         outputs = []
         for c in chunks:
             seq = c.seq
@@ -232,6 +234,10 @@ class LLMEngine:
             num_output_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0,
             blended_tokens=seq.blended_tokens, recomputed_tokens=seq.recomputed_tokens, logprobs=lp,
             chunk_tokens_stored=seq.chunk_tokens_stored, chunk_tokens_present=seq.chunk_tokens_present)
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        device = self.kv.k[0].device
+        self.kv.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
 
     # ---- observability --------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -89,7 +89,7 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if not self.blocks.admit(seq, budget):
+            if not self.blocks.admit(seq, budget, allow_approximate=self.blends(seq)):
                 break  # the pool is full: wait for blocks to come back
             if not self._plan_blend(seq):
                 self.blocks.release(seq)

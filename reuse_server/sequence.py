@@ -33,6 +33,8 @@ class Sequence:
     node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
     num_computed: int = 0  # tokens whose KV is in the pool
     num_inserted_blocks: int = 0  # leading full blocks already handed to the radix tree
+    approximate: bool = False  # KV derived from blending: filed under the approximate namespace
+    unpublishable: bool = False  # approximate KV that could not be moved out of the exact tree
 
     # usage accounting (first admission only: a preempted request's recompute is our cost, not the client's hit)
     cached_tokens: int | None = None

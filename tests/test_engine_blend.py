@@ -194,3 +194,37 @@ def test_chunk_blocks_are_evictable_like_any_cached_block(checkpoint):
     s = engine.cache.stats()
     assert s.evicted_blocks > 0 and s.in_use_blocks == 0
     assert s.free_blocks + s.evictable_blocks == s.total_blocks
+
+
+def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpoint):
+    engine = make_engine(checkpoint)
+    exact = make_engine(checkpoint, enable_blend=False)
+    parts = passages(7, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    blended = generate(engine, "b", ids, spans, blend=True, ratio=0.0)
+    assert blended[2].blended_tokens > 0
+    plain = generate(engine, "p", ids, spans, blend=False)
+    reference = generate(exact, "r", ids, spans, blend=False)
+    # the blended sequence was filed under the approximate namespace only: nothing of it serves this request
+    assert plain[2].cached_tokens == 0 and plain[2].blended_tokens == 0
+    assert plain[0] == reference[0]
+    close(plain[1], reference[1], 1e-5)
+    again = generate(engine, "again", ids, spans, blend=True, ratio=0.0)
+    assert again[2].cached_tokens == (len(ids) - 1) // BS * BS and again[2].blended_tokens == 0
+    assert again[0] == blended[0]
+    assert engine.cache.stats().in_use_blocks == 0
+
+
+def test_a_chunk_that_starts_inside_the_prefix_hit_is_still_blended(checkpoint):
+    engine = make_engine(checkpoint)
+    chunk = passages(8, engine.vocab_size, sizes=(24,))[0]
+    precompute(engine, chunk, "pre")
+    head = [3, 4, 5]
+    first, _ = build_prompt([chunk[:9]], head=head, question=[])
+    generate(engine, "warm", first, [], blend=False, max_tokens=1)  # caches head + chunk[:9]: 3 full blocks
+    ids, spans = build_prompt([chunk], head=head, question=[7, 8])
+    out = generate(engine, "b", ids, spans, blend=True, ratio=0.0)[2]
+    # 12 tokens come from the exact prefix, the rest of the chunk from the chunk index
+    assert out.cached_tokens == 12 + (24 - 9) and out.blended_tokens == 24 - 9
