@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
+# torch's OpenMP threads spin-wait by default and collapse under CPU contention
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv serve test bench clean
 
@@ -26,7 +28,7 @@ serve: $(STAMP)
 	$(VENV)/bin/reuse-server serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
