@@ -28,9 +28,13 @@ from .errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = "1"  # bump when the folder layout changes, so old caches are not reused
+CONVERTER_VERSION = "2"  # bump when the folder layout changes, so old caches are not reused
 _PERMUTED_ARCHITECTURES = {"llama"}  # GGUF archs whose Q/K rows llama.cpp's converter permuted
 _SUPPORTED_GGUF_ARCHITECTURES = {"llama", "qwen2"}
+# GGUF pre-tokenizer names that llama.cpp runs as "split every digit off, then the GPT-2 regex" (the original
+# tokenizers' Digits(individual_digits=True) + ByteLevel). transformers' GGUF converter drops that first
+# step, and text then re-tokenizes differently from what the model generated (e.g. "\n\n" before a digit).
+_DIGIT_SPLIT_PRETOKENIZERS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -132,6 +136,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    if "tokenizer.ggml.pre" in reader.fields and reader.fields["tokenizer.ggml.pre"].contents() in _DIGIT_SPLIT_PRETOKENIZERS:
+        _split_digits_first(tokenizer)
     config.save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": name})
     if not tokenizer.chat_template:
@@ -140,6 +146,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "conversion.json").write_text(
         json.dumps({"source": str(gguf_path), "converter_version": CONVERTER_VERSION, "dtype": "float32"})
     )
+
+
+def _split_digits_first(tokenizer) -> None:
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
 
 
 def _hf_name(gguf_name: str) -> str | None:
