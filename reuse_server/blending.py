@@ -151,7 +151,10 @@ class Blender:
         slots = self._slots(seq.block_table, range(start, end))
         table = torch.tensor(seq.block_table, dtype=torch.long, device=device)
         active = torch.arange(n)  # indices (into start..end) of the tokens this layer computes
-        hidden = self.model.embed(ids)
+        if schedule.ratios[0] == 0.0 and always is None:
+            # nothing will be selected: skip the reused tokens from layer 0 on (plain KV reuse)
+            active = (~reused).nonzero(as_tuple=True)[0]
+        hidden = self.model.embed(ids[active.to(device)])
         for i, layer in enumerate(self.model.layers):
             act = active.to(device)
             meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])

@@ -205,15 +205,16 @@ def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpo
     ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
     blended = generate(engine, "b", ids, spans, blend=True, ratio=0.0)
     assert blended[2].blended_tokens > 0
+    # a blending request repeating the same order is an exact prefix hit on the blended KV
+    again = generate(engine, "again", ids, spans, blend=True, ratio=0.0)
+    assert again[2].cached_tokens == (len(ids) - 1) // BS * BS and again[2].blended_tokens == 0
+    assert again[0] == blended[0]
     plain = generate(engine, "p", ids, spans, blend=False)
     reference = generate(exact, "r", ids, spans, blend=False)
     # the blended sequence was filed under the approximate namespace only: nothing of it serves this request
     assert plain[2].cached_tokens == 0 and plain[2].blended_tokens == 0
     assert plain[0] == reference[0]
     close(plain[1], reference[1], 1e-5)
-    again = generate(engine, "again", ids, spans, blend=True, ratio=0.0)
-    assert again[2].cached_tokens == (len(ids) - 1) // BS * BS and again[2].blended_tokens == 0
-    assert again[0] == blended[0]
     assert engine.cache.stats().in_use_blocks == 0
 
 

@@ -1,0 +1,197 @@
+"""Needle in passages: does blending keep answers right while skipping most of the prefill?
+
+Each case: k passages of a few hundred tokens from the Lee background corpus, one carrying a planted
+fact ("The access code for the Orion project is NNNN."), then the question, in SmolLM2's chat template
+with an assistant turn that starts "Answer:". Passages are precomputed through the chunk index (alone,
+at positions 0..n-1), then served in a new order. For full prefill, naive reuse (ratio 0) and selective
+recompute ratios, report answer accuracy, the KL divergence of the first answer token against full
+prefill, greedy agreement of the first tokens, and time to first token (the prefill step).
+
+    .venv/bin/python -m benchmarks.bench_blend [--cases 100] [--ratios 0,0.05,0.15,0.3] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from blend.chunking import encode, render_chat_chunks
+from reuse_server.config import EngineConfig
+from reuse_server.engine import LLMEngine
+from reuse_server.sampler import Sampler
+from reuse_server.sampling_params import CacheOptions, SamplingParams
+
+DOCS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor"
+QUESTION = "What is the access code for the Orion project?"
+ANSWER_PREFIX = "Answer:"
+FIRST_TOKENS = 5
+
+
+class CapturingSampler(Sampler):
+    """Keeps the logits each request's first token was sampled from (for KL against full prefill)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_logits: dict[str, torch.Tensor] = {}
+
+    def sample(self, logits, request_ids, params):
+        for row, rid in enumerate(request_ids):
+            self.first_logits.setdefault(rid, logits[row].float().clone())
+        return super().sample(logits, request_ids, params)
+
+
+@dataclass
+class Case:
+    passages: list[str]
+    code: str
+
+
+def load_articles(min_words: int, max_words: int) -> list[str]:
+    articles = []
+    for line in DOCS.read_text().splitlines():
+        words = line.split()
+        if len(words) >= min_words:
+            articles.append(" ".join(words[:max_words]))
+    return articles
+
+
+def plant(article: str, fact: str, rng: random.Random) -> str:
+    sentences = re.split(r"(?<=[.!?]) ", article)
+    at = rng.randrange(1, max(2, len(sentences)))
+    return " ".join(sentences[:at] + [fact] + sentences[at:])
+
+
+def make_cases(n: int, k: int, seed: int, max_words: int) -> list[Case]:
+    rng = random.Random(seed)
+    articles = load_articles(min_words=max_words // 2, max_words=max_words)
+    cases = []
+    for _ in range(n):
+        chosen = rng.sample(articles, k)
+        code = f"{rng.randrange(1000, 10000)}"
+        needle = rng.randrange(k)
+        chosen[needle] = plant(chosen[needle], f"The access code for the Orion project is {code}.", rng)
+        cases.append(Case(chosen, code))
+    return cases
+
+
+def prompt_for(tokenizer, passages: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    parts = [{"type": "text", "text": p} for p in passages] + [{"type": "text", "text": QUESTION}]
+    chunks = render_chat_chunks(tokenizer, [{"role": "user", "content": parts}])
+    ids, spans = [], []
+    for c in chunks:
+        if c.reusable:
+            spans.append((len(ids), len(c.tokens)))
+        ids.extend(c.tokens)
+    return ids + list(encode(tokenizer, ANSWER_PREFIX)), spans
+
+
+def run_one(engine: LLMEngine, rid: str, ids, spans, blend: bool, ratio: float | None, max_tokens: int):
+    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                       CacheOptions(prefix_cache=False, chunk_spans=spans, blend=blend, recompute_ratio=ratio))
+    out_ids, first, last = [], None, None
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for out in engine.step():
+            if first is None:
+                first = time.perf_counter() - t0
+            out_ids += out.new_token_ids
+            last = out
+    return out_ids, first, last
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", type=int, default=100)
+    ap.add_argument("--passages", type=int, default=4)
+    ap.add_argument("--max-words", type=int, default=200)
+    ap.add_argument("--ratios", default="0,0.05,0.15,0.3")
+    ap.add_argument("--check-layers", default="1")
+    ap.add_argument("--gradual-factors", default="1")
+    ap.add_argument("--score", default="k")
+    ap.add_argument("--first-tokens", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--precompute-after-template", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not DOCS.exists():
+        raise SystemExit(f"needs {DOCS} (the shared data folder beside the repository)")
+    torch.manual_seed(0)
+    engine = LLMEngine(EngineConfig(
+        max_num_batched_tokens=8192, kv_cache_memory=2 << 30, enable_blend=False,
+        blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
+        blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),
+        blend_score=args.score, blend_first_tokens=args.first_tokens, blend_min_tokens=16))
+    engine.sampler = sampler = CapturingSampler()
+    tok = engine.tokenizer
+    ratios = [float(r) for r in args.ratios.split(",")]
+    configs = [("full", False, None)] + [(f"ratio={r:g}", True, r) for r in ratios]
+    results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prompt=0)
+               for name, _, _ in configs}
+    cases = make_cases(args.cases, args.passages, args.seed, args.max_words)
+    # the template's framing before the first passage: a precomputed chunk can be computed after it, so it
+    # sees the same attention sink (the prompt's first tokens) it will see when reused
+    probe_ids, probe_spans = prompt_for(tok, ["x"])
+    lead = probe_ids[:probe_spans[0][0]]
+    for i, case in enumerate(cases):
+        for j, passage in enumerate(case.passages):  # precompute through the chunk index
+            t = list(encode(tok, passage))
+            head = lead if args.precompute_after_template else []
+            engine.add_request(f"pre{i}-{j}", head + t, SamplingParams(max_tokens=1),
+                               CacheOptions(chunk_spans=[(len(head), len(t))], precompute_only=True, blend=False))
+        while engine.has_work():
+            engine.step()
+        order = case.passages[:]
+        random.Random(args.seed * 1000 + i).shuffle(order)
+        ids, spans = prompt_for(tok, order)
+        ref_ids = None
+        for name, blend, ratio in configs:
+            rid = f"{name}-{i}"
+            out_ids, ttft, last = run_one(engine, rid, ids, spans, blend, ratio, args.max_tokens)
+            text = tok.decode(out_ids, skip_special_tokens=True)
+            r = results[name]
+            r["correct"] += case.code in text
+            r["ttft"].append(ttft)
+            r["blended"] += last.blended_tokens
+            r["recomputed"] += last.recomputed_tokens
+            r["prompt"] += len(ids)
+            if name == "full":
+                ref_ids, ref_logits = out_ids, sampler.first_logits[rid]
+            r["kl"].append(kl(ref_logits, sampler.first_logits[rid]))
+            r["agree"].append(out_ids[:FIRST_TOKENS] == ref_ids[:FIRST_TOKENS])
+            sampler.first_logits.pop(rid)
+        if (i + 1) % 10 == 0:
+            print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, _, _ in configs), flush=True)
+    full_ttft = statistics.median(results["full"]["ttft"])
+    rows = []
+    for name, _, _ in configs:
+        r = results[name]
+        rows.append(dict(
+            config=name, cases=len(cases), accuracy=round(r["correct"] / len(cases), 4),
+            kl_median=round(statistics.median(r["kl"]), 4), kl_mean=round(statistics.fmean(r["kl"]), 4),
+            first_tokens_agree=round(sum(r["agree"]) / len(cases), 4),
+            ttft_median_s=round(statistics.median(r["ttft"]), 4),
+            ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
+            blended_share=round(r["blended"] / r["prompt"], 4), recomputed_share=round(r["recomputed"] / r["prompt"], 4),
+            mean_prompt_tokens=round(r["prompt"] / len(cases)),
+            settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
+                          first_tokens=args.first_tokens, precompute_after_template=args.precompute_after_template)))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

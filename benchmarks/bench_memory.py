@@ -1,0 +1,190 @@
+"""Server memory under concurrent load: does it stay at weights + the KV pool (allocated once at start-up
+from --kv-cache-memory) plus a bounded overhead?
+
+Starts the server on the bundled SmolLM2, samples its resident set size (psutil) while rounds of
+concurrent streaming chat requests with ~1k-token prompts run, and prints JSON lines: the weights' bytes
+(parameter bytes from the checkpoint's safetensors header, at the dtype the server runs), the pool's bytes
+(/metrics kvreuse_kv_blocks_total x bytes per block), RSS after start-up, peak RSS under load, the
+kernel's high-water mark (VmHWM, which also covers model loading), and overhead = peak - weights - pool,
+split into the idle footprint's share (RSS after one short request) and what the load adds on top.
+
+    .venv/bin/python -m benchmarks.bench_memory [--concurrency 8] [--prompt-tokens 1024] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors import safe_open
+
+from benchmarks.bench_ttft import DOCS, TextSource, conversation, served_model, server_process
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+MIB = 1 << 20
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def checkpoint_weights(folder: Path) -> tuple[int, int]:
+    """(parameters, bytes as stored) over the folder's safetensors files, read from their headers."""
+    params = stored = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="np") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                numel = 1
+                for dim in piece.get_shape():
+                    numel *= dim
+                params += numel
+                stored += numel * DTYPE_BYTES[piece.get_dtype()]
+    return params, stored
+
+
+def kv_bytes_per_block(config: dict, block_size: int, element_bytes: int) -> int:
+    """K and V, every layer, block_size tokens (the layout of reuse_server.kv_pool.KVPool)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    return 2 * config["num_hidden_layers"] * block_size * kv_heads * head_dim * element_bytes
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmHWM, VmRSS, RssAnon, RssFile from /proc/<pid>/status, in bytes (Linux only; empty elsewhere)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile") and value.strip().endswith("kB"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class RssSampler:
+    """Polls a process's RSS on a thread and keeps the largest value seen."""
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        self.process = psutil.Process(pid)
+        self.interval = interval
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+                self.samples += 1
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stream_chat(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> int:
+    """Run one streaming request to the end; returns its prompt tokens."""
+    usage = None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=True,
+                                                stream_options={"include_usage": True}, temperature=0,
+                                                extra_body={"ignore_eos": True}):
+        usage = chunk.usage or usage
+    return usage.prompt_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="the server's step budget: the largest batch of activations")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from reuse_server.model.loader import resolve_model
+
+    folder = resolve_model(args.model)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    source = TextSource(tokenizer)
+    params, stored = checkpoint_weights(folder)
+    element = 4  # the server runs float32 on the CPU (--dtype auto)
+    weights = params * element
+    per_block = kv_bytes_per_block(config, args.block_size, element)
+
+    with server_process("--model", args.model, "--kv-cache-memory", args.kv_cache_memory,
+                        "--block-size", str(args.block_size),
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens)) as (url, proc):
+        model = served_model(url)
+        blocks = int(metrics(url)["kvreuse_kv_blocks_total"])
+        pool = blocks * per_block
+        started = psutil.Process(proc.pid).memory_info().rss
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        # one short request touches every weight page (the safetensors file may be memory-mapped) and
+        # warms the runtime: RSS then is the idle footprint, and peak - idle is what the load adds
+        stream_chat(client, model, conversation(tokenizer, source, 64, "Hello?"), 2)
+        idle = psutil.Process(proc.pid).memory_info().rss
+        prompts = [[conversation(tokenizer, source, args.prompt_tokens, f"Request {r}.{i}: summarize the text.")
+                    for i in range(args.concurrency)] for r in range(args.rounds)]
+        t0 = time.perf_counter()
+        with RssSampler(proc.pid) as sampler, ThreadPoolExecutor(args.concurrency) as pool_threads:
+            prompt_tokens = []
+            for round_prompts in prompts:  # each round: all requests at once, the next round after they end
+                prompt_tokens += pool_threads.map(lambda m: stream_chat(client, model, m, args.max_tokens),
+                                                  round_prompts)
+        load_s = time.perf_counter() - t0
+        status = proc_status(proc.pid)
+        after = metrics(url)
+
+    peak = sampler.peak
+    emit(bench="memory", model=model, parameters=params, weights_bytes=weights, checkpoint_stored_bytes=stored,
+         kv_blocks=blocks, kv_bytes_per_block=per_block, pool_bytes=pool, rss_after_start_bytes=started,
+         rss_idle_bytes=idle, peak_rss_bytes=peak, load_added_bytes=peak - idle,
+         overhead_bytes=peak - weights - pool, vmhwm_bytes=status.get("VmHWM"),
+         rss_anon_end_bytes=status.get("RssAnon"), rss_file_end_bytes=status.get("RssFile"),
+         rss_samples=sampler.samples)
+    emit(bench="memory_mib", weights=round(weights / MIB, 1), pool=round(pool / MIB, 1),
+         rss_after_start=round(started / MIB, 1), rss_idle=round(idle / MIB, 1), peak_rss=round(peak / MIB, 1),
+         idle_overhead=round((idle - weights - pool) / MIB, 1), load_added=round((peak - idle) / MIB, 1),
+         overhead=round((peak - weights - pool) / MIB, 1),
+         vmhwm=round(status["VmHWM"] / MIB, 1) if "VmHWM" in status else None)
+    emit(bench="memory_load", concurrency=args.concurrency, rounds=args.rounds, requests=len(prompt_tokens),
+         mean_prompt_tokens=round(sum(prompt_tokens) / len(prompt_tokens)), max_tokens=args.max_tokens,
+         max_num_batched_tokens=args.max_num_batched_tokens,
+         load_s=round(load_s, 2), generation_tokens=after.get("kvreuse_generation_tokens_total"),
+         preemptions=after.get("kvreuse_preemptions_total"), source="lee_background.cor" if DOCS.exists() else "filler")
+
+
+if __name__ == "__main__":
+    main()

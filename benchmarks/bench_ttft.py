@@ -1,0 +1,208 @@
+"""Time to first token over HTTP on the bundled SmolLM2, cold vs warm prefix cache.
+
+For each prompt length, a chat of that many tokens (a system message holding news text from the shared
+Lee corpus, or filler text when it is absent, then a user question) is sent twice over: cold, the first
+time the server sees the text; warm, the same conversation with a new last user line, so everything but
+the last message can come from the prefix cache. TTFT is the time from sending the streaming request to
+the first chunk that carries generated content (the role-only chunk the server sends first is skipped).
+warm_engine_s is the server's own TTFT for the warm requests (from its /metrics histogram: engine
+admission to first token), so warm_s - warm_engine_s is what HTTP, prompt rendering and the client add.
+
+    .venv/bin/python -m benchmarks.bench_ttft [--lengths 512,2048,4096] [--warm-repeats 3]
+
+Prints one JSON line per length. The server runs in a subprocess with OMP_WAIT_POLICY=PASSIVE.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+
+from blend.chunking import render_chat_chunks
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO.parent / "shared" / "data" / "docs" / "lee_background.cor"
+FILLER = ("The committee met on a Tuesday to review the harbour accounts, the state of the northern road, "
+          "and the schedule of the autumn fair; each item was read aloud and noted in the minutes. ")
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    # Idle OpenMP worker threads spin by default; on a shared CPU that starves everything else.
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+
+
+@contextmanager
+def server_process(*serve_args: str, startup_timeout: float = 600) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`reuse-server serve *serve_args` on a free loopback port; yields (base URL, process) once /health
+    answers, and stops the server on the way out. Its log goes to a temporary file, shown on failure."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--port", str(port), "--log-level", "warning",
+           *serve_args]
+    log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=server_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not come up in {startup_timeout} s")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        if "Traceback" in Path(log.name).read_text():
+            print(f"server log {log.name} holds a traceback", file=sys.stderr)
+        else:
+            os.unlink(log.name)
+
+
+def served_model(url: str) -> str:
+    return httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
+def corpus_text() -> str:
+    if DOCS.exists():
+        return DOCS.read_text()
+    return FILLER * 2000
+
+
+class TextSource:
+    """Hands out consecutive, never repeated stretches of the corpus, measured in tokens, so that no two
+    prompts of a run share a prefix beyond the chat template's framing."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids = tokenizer.encode(corpus_text(), add_special_tokens=False)
+        self.offset = 0
+
+    def take(self, num_tokens: int) -> str:
+        if self.offset + num_tokens > len(self.ids):
+            raise ValueError(f"the corpus has {len(self.ids)} tokens; {self.offset + num_tokens} needed")
+        text = self.tokenizer.decode(self.ids[self.offset:self.offset + num_tokens])
+        self.offset += num_tokens
+        return text
+
+
+def chat_tokens(tokenizer, messages: list[dict]) -> int:
+    """Prompt tokens of `messages` as the server counts them (each chunk tokenized alone)."""
+    return sum(len(c.tokens) for c in render_chat_chunks(tokenizer, messages, part_separator=""))
+
+
+def conversation(tokenizer, source: TextSource, total_tokens: int, question: str) -> list[dict]:
+    """[system: document, user: question] rendering to about `total_tokens` tokens."""
+    framing = chat_tokens(tokenizer, [{"role": "system", "content": "x"}, {"role": "user", "content": question}]) - 1
+    document = source.take(max(1, total_tokens - framing))
+    return [{"role": "system", "content": document}, {"role": "user", "content": question}]
+
+
+def with_last_line(messages: list[dict], question: str) -> list[dict]:
+    return messages[:-1] + [{"role": "user", "content": question}]
+
+
+def server_ttft_sum(url: str) -> float:
+    """The server's own TTFT histogram sum (engine admission to first token, no HTTP or prompt rendering)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("kvreuse_time_to_first_token_seconds_sum"):
+            return float(line.split()[-1])
+    return float("nan")
+
+
+def stream_ttft(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> tuple[float, object]:
+    """(seconds to the first generated content, usage) of one streaming chat request."""
+    start = time.perf_counter()
+    first, usage = None, None
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if first is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return first, usage
+
+
+def measure(url, client, model, tokenizer, source: TextSource, length: int, warm_repeats: int,
+            max_tokens: int) -> dict:
+    messages = conversation(tokenizer, source, length, "In one sentence, what is the main event described above?")
+    cold_s, cold_usage = stream_ttft(client, model, messages, max_tokens)
+    warm, engine_warm = [], []
+    for i in range(warm_repeats):
+        question = f"Question {i + 1}: name one place mentioned in the text above."
+        before = server_ttft_sum(url)
+        warm.append(stream_ttft(client, model, with_last_line(messages, question), max_tokens))
+        engine_warm.append(server_ttft_sum(url) - before)
+    warm_s = statistics.median(s for s, _ in warm)
+    usage = warm[-1][1]
+    cached = usage.prompt_tokens_details.cached_tokens
+    return dict(bench="ttft", prompt_tokens=cold_usage.prompt_tokens,
+                cold_cached_tokens=cold_usage.prompt_tokens_details.cached_tokens,
+                cold_s=round(cold_s, 4), warm_s=round(warm_s, 4), warm_min_s=round(min(s for s, _ in warm), 4),
+                ratio=round(cold_s / warm_s, 1), warm_prompt_tokens=usage.prompt_tokens, warm_cached_tokens=cached,
+                warm_uncached_tokens=usage.prompt_tokens - cached,
+                warm_engine_s=round(statistics.median(engine_warm), 4), warm_repeats=warm_repeats,
+                max_tokens=max_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="512,2048,4096", help="comma-separated prompt lengths in tokens")
+    ap.add_argument("--warm-repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=2)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from reuse_server.model.loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    source = TextSource(tokenizer)
+    with server_process("--model", args.model, "--max-num-batched-tokens", "8192",
+                        "--kv-cache-memory", args.kv_cache_memory) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        model = served_model(url)
+        # one small request first, so the first timed request does not pay for lazy initialisation
+        stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), args.max_tokens)
+        for length in [int(x) for x in args.lengths.split(",")]:
+            emit(**measure(url, client, model, tokenizer, source, length, args.warm_repeats, args.max_tokens),
+                 source="lee_background.cor" if DOCS.exists() else "filler")
+
+
+if __name__ == "__main__":
+    main()
