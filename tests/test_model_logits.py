@@ -228,3 +228,19 @@ def test_bf16_forward_stays_close_to_fp32(checkpoints):
     logits16 = run_step(ours16, pool16, [(seq, full, 30)])
     assert logits16.dtype == torch.float32
     assert rel_err(logits16, logits32) <= 3e-2  # measured 1.1e-2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_batched_decode_matches_transformers(checkpoints, name):
+    """Several sequences decoding one token each take the padded single-call attention path."""
+    ours, config, ref = models(checkpoints, name)
+    pool = new_pool(config)
+    lengths = [9, 23, 16, 31]
+    seqs = make_sequences(lengths, pool, config.vocab_size, seed=14)
+    for seq, n in zip(seqs, lengths):
+        run_step(ours, pool, [(seq, list(range(n - 2)), n - 2)])
+    for back in (2, 1):  # two decode steps, all four sequences in one batch
+        logits = run_step(ours, pool, [(seq, [n - back], n - back + 1) for seq, n in zip(seqs, lengths)])
+        for row, (seq, n) in enumerate(zip(seqs, lengths)):
+            expected = reference_logits(ref, seq.token_ids[: n - back + 1])[-1:]
+            assert rel_err(logits[row:row + 1], expected) <= REL_TOL

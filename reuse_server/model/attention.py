@@ -21,6 +21,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each query token's fresh K/V is written
     _cache_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -96,6 +97,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] (post-RoPE). The query tokens' own K/V must already be in the pool.
     Returns [T, heads, head_dim]."""
+    if len(masks) > 1 and all(m.mask is None and not m.is_causal for m in masks) and q.shape[0] == len(masks):
+        return _decode_batch(q, meta, kv, layer_idx, scale)
     out = torch.empty_like(q)
     for s, seq_mask in enumerate(masks):
         lo, hi = meta.query_start[s], meta.query_start[s + 1]
@@ -114,3 +117,27 @@ def paged_attention(
         )
         out[lo:hi] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, scale: float) -> torch.Tensor:
+    """Several sequences with one query token each, every one seeing its whole context: one gather of the
+    block tables padded to the longest context, one masked attention call, instead of a call per sequence."""
+    if meta._decode_plan is None:
+        bs = kv.block_size
+        longest = max(meta.context_lens)
+        width = -(-longest // bs)
+        table = torch.zeros(len(meta.block_tables), width, dtype=torch.long, device=q.device)
+        for s, t in enumerate(meta.block_tables):
+            n = -(-meta.context_lens[s] // bs)
+            table[s, :n] = t[:n]
+        lens = torch.tensor(meta.context_lens, device=q.device)
+        valid = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
+        meta._decode_plan = (table, valid[:, None, None, :longest], longest)
+    table, valid, longest = meta._decode_plan
+    s, heads, hd = q.shape
+    k = kv.k[layer_idx][table].view(s, -1, kv.num_kv_heads, hd)[:, :longest]
+    v = kv.v[layer_idx][table].view(s, -1, kv.num_kv_heads, hd)[:, :longest]
+    out = F.scaled_dot_product_attention(
+        q.view(s, heads, 1, hd), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
+        attn_mask=valid, scale=scale, enable_gqa=True)
+    return out.view(s, heads, hd)
