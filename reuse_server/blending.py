@@ -156,23 +156,26 @@ class Blender:
             active = (~reused).nonzero(as_tuple=True)[0]
         hidden = self.model.embed(ids[active.to(device)])
         for i, layer in enumerate(self.model.layers):
-            act = active.to(device)
-            meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
-            check = schedule.is_check_layer(i) and bool(reused[active].any())
-            if check:
+            if schedule.is_check_layer(i) and bool(reused[active].any()):
+                # Select before the layer runs: its fresh K/V come from the projections alone, so the
+                # attention and MLP of this layer are spent only on the tokens kept.
+                act = active.to(device)
+                meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
+                fresh_k, fresh_v = layer.project_kv(hidden, positions[act], meta)
                 cand = reused[active].nonzero(as_tuple=True)[0]  # rows of `hidden` that are reused tokens
-                cand_slots = slots[act[cand.to(device)]]
-                old_k, old_v = self.kv.read_slots(i, cand_slots)
-            hidden = layer(hidden, positions[act], meta, self.kv, i)
-            if check:
-                new_k, new_v = self.kv.read_slots(i, cand_slots)
-                dev = kv_deviation(old_k, new_k, old_v, new_v, score=self.settings.score)
+                cand_dev = cand.to(device)
+                old_k, old_v = self.kv.read_slots(i, slots[act[cand_dev]])
+                self.kv.write(i, slots[act], fresh_k, fresh_v)  # every token gets this layer's fresh K/V
+                dev = kv_deviation(old_k, fresh_k[cand_dev], old_v, fresh_v[cand_dev], score=self.settings.score)
                 keep = count_for_ratio(schedule.ratios[schedule.check_layers.index(i)], n_reused)
                 cand_always = always[active[cand]] if always is not None else None
                 chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
                 rows = torch.cat([(~reused[active]).nonzero(as_tuple=True)[0], chosen]).sort().values
                 active = active[rows]
                 hidden = hidden[rows.to(device)]
+            act = active.to(device)
+            meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
+            hidden = layer(hidden, positions[act], meta, self.kv, i)
         recomputed = int(reused[active].sum())
         seq.recomputed_tokens = recomputed
         seq.blended_tokens = n_reused - recomputed

@@ -41,14 +41,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
 
+    def project_kv(self, hidden, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
+        """This layer's K (post-RoPE) and V of the tokens: [T, kv_heads, head_dim] each."""
+        t = hidden.shape[0]
+        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = meta.cached(positions, ("rope", k.dtype), lambda: rotary.cos_sin(positions, k.dtype))
+        return apply_rotary(k, cos, sin), v
+
     def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding):
         t = hidden.shape[0]
         q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        k, v = self.project_kv(hidden, positions, meta, rotary)
         cos, sin = meta.cached(positions, ("rope", q.dtype), lambda: rotary.cos_sin(positions, q.dtype))
         q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
         kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
         masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
         out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
@@ -83,6 +89,10 @@ class DecoderLayer(nn.Module):
         idx = self.layer_idx if layer_idx is None else layer_idx
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx, self.rotary)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def project_kv(self, hidden, positions, meta: AttentionMetadata):
+        """The K/V this layer would write for the tokens, without attending (blending's deviation check)."""
+        return self.self_attn.project_kv(self.input_layernorm(hidden), positions, meta, self.rotary)
 
 
 class LlamaModel(nn.Module):
