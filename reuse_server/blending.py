@@ -155,13 +155,18 @@ class Blender:
             # nothing will be selected: skip the reused tokens from layer 0 on (plain KV reuse)
             active = (~reused).nonzero(as_tuple=True)[0]
         hidden = self.model.embed(ids[active.to(device)])
+
+        def batch_of(active: torch.Tensor):
+            # built once per active set, so masks and RoPE tables are shared by the layers that use it
+            act = active.to(device)
+            return act, positions[act], AttentionMetadata([0, len(active)], [table], [end], slots[act])
+
+        act, pos, meta = batch_of(active)
         for i, layer in enumerate(self.model.layers):
             if schedule.is_check_layer(i) and bool(reused[active].any()):
                 # Select before the layer runs: its fresh K/V come from the projections alone, so the
                 # attention and MLP of this layer are spent only on the tokens kept.
-                act = active.to(device)
-                meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
-                fresh_k, fresh_v = layer.project_kv(hidden, positions[act], meta)
+                fresh_k, fresh_v = layer.project_kv(hidden, pos, meta)
                 cand = reused[active].nonzero(as_tuple=True)[0]  # rows of `hidden` that are reused tokens
                 cand_dev = cand.to(device)
                 old_k, old_v = self.kv.read_slots(i, slots[act[cand_dev]])
@@ -173,9 +178,8 @@ class Blender:
                 rows = torch.cat([(~reused[active]).nonzero(as_tuple=True)[0], chosen]).sort().values
                 active = active[rows]
                 hidden = hidden[rows.to(device)]
-            act = active.to(device)
-            meta = AttentionMetadata([0, len(active)], [table], [end], slots[act])
-            hidden = layer(hidden, positions[act], meta, self.kv, i)
+                act, pos, meta = batch_of(active)
+            hidden = layer(hidden, pos, meta, self.kv, i)
         recomputed = int(reused[active].sum())
         seq.recomputed_tokens = recomputed
         seq.blended_tokens = n_reused - recomputed

@@ -169,11 +169,11 @@ class LLMEngine:
 
     def _prompt_done(self, seq: Sequence) -> None:
         """The prompt's KV is complete for the first time: count its usage, register its chunks."""
-        self._count_admission(seq)
+        self._count_usage(seq)
         if seq.cache.precompute_only or self.scheduler.blends(seq):
             seq.chunk_tokens_stored, seq.chunk_tokens_present = self.blender.register(seq, skip=seq.reused_starts)
 
-    def _count_admission(self, seq: Sequence) -> None:
+    def _count_usage(self, seq: Sequence) -> None:
         seq.counted = True
         n = len(seq.prompt_ids)
         self.counters["prompt_tokens"] += n
