@@ -6,7 +6,6 @@ of the Triton backend.
 
 from blend.chunking import (
     Chunk,
-    chunk_key,
     chunk_spans,
     chunk_tokens,
     render_chat_chunks,
@@ -27,7 +26,6 @@ __all__ = [
     "Chunk",
     "GradualSchedule",
     "apply_rope",
-    "chunk_key",
     "chunk_spans",
     "chunk_tokens",
     "count_for_ratio",

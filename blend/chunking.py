@@ -17,16 +17,10 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-import xxhash
-
 log = logging.getLogger(__name__)
-
-_KEY_DOMAIN = b"blend-chunk-v1\x00"
 
 
 @dataclass(frozen=True)
@@ -84,24 +78,6 @@ def chunk_spans(chunks: Sequence[Chunk]) -> tuple[list[int], list[int]]:
         lens.append(len(c.tokens))
         pos += len(c.tokens)
     return starts, lens
-
-
-def chunk_key(tokens: Sequence[int], model_id: str, salt: bytes = b"") -> bytes:
-    """Position-independent 16-byte key of a chunk: xxh3_128 of the model id, the salt and
-    the chunk's own token ids (length-prefixed fields), never of anything preceding it."""
-    mid = model_id.encode("utf-8")
-    salt = bytes(salt)
-    ids = np.asarray(tokens, dtype=np.int64)
-    if ids.ndim != 1:
-        raise ValueError("tokens must be a flat sequence of ints")
-    h = xxhash.xxh3_128()
-    h.update(_KEY_DOMAIN)
-    for field in (mid, salt):
-        h.update(struct.pack("<Q", len(field)))
-        h.update(field)
-    h.update(struct.pack("<Q", ids.size))
-    h.update(ids.astype("<i8").tobytes())
-    return h.digest()
 
 
 def _message_parts(message: dict) -> list[str]:

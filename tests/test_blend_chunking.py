@@ -11,11 +11,12 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from blend.chunk_index import ChunkIndex
+from radix import RadixCache
 from tiny_checkpoint import build_tokenizer
 
 from blend.chunking import (
     Chunk,
-    chunk_key,
     chunk_spans,
     chunk_tokens,
     encode,
@@ -110,29 +111,13 @@ def test_separator_passage_tokens_independent_of_position(tok, where):
     assert sep.strip() not in tok.decode(chunk_tokens(chunks))
 
 
-def test_chunk_key():
-    tokens = (5, 17, 300, 2)
-    key = chunk_key(tokens, "model-a", b"salt")
-    assert isinstance(key, bytes) and len(key) == 16
-    assert chunk_key(list(tokens), "model-a", b"salt") == key  # same tokens, same key, any container
-    assert chunk_key(tokens, "model-b", b"salt") != key
-    assert chunk_key(tokens, "model-a", b"other") != key
-    assert chunk_key(tokens, "model-a") != key
-    assert chunk_key(tokens[::-1], "model-a", b"salt") != key
-    assert chunk_key(tokens + (0,), "model-a", b"salt") != key
-    assert chunk_key((), "model-a", b"salt") != chunk_key((0,), "model-a", b"salt")
-    # Fields are length-prefixed: moving bytes between model id and salt changes the key.
-    assert chunk_key(tokens, "ab", b"c") != chunk_key(tokens, "a", b"bc")
-    # Large ids do not wrap.
-    assert chunk_key((2**32 + 1,), "m") != chunk_key((1,), "m")
-
-
-def test_chunk_key_is_position_independent(tok):
-    keys = set()
-    for before in ([], [OTHER], [OTHER, QUESTION]):
+def test_a_passage_is_found_in_the_chunk_index_wherever_it_appears(tok):
+    idx = ChunkIndex(RadixCache(256, 4), 4, "m", pad_token=10**6, min_tokens=1)
+    alone = list(tokenize_chunks(tok, [PASSAGE, "tail"])[0].tokens)
+    idx.register(alone, idx.cache.allocate(idx.blocks_needed(alone)))
+    for before in ([OTHER], [OTHER, QUESTION]):
         chunks = tokenize_chunks(tok, [*before, PASSAGE, "tail"])
-        keys.add(chunk_key(chunks[len(before)].tokens, "m", b""))
-    assert len(keys) == 1
+        assert idx.contains(list(chunks[len(before)].tokens))
 
 
 def _messages(passage_at: str, passage: str = PASSAGE) -> list[dict]:

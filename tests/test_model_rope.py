@@ -1,7 +1,6 @@
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from reuse_server.model.config import ModelConfig

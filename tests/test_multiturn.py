@@ -17,7 +17,6 @@ re-tokenizes to the ids the model generated (the EOS, if any, is the "<|im_end|>
 at the one position whose KV is missing anyway).
 """
 import concurrent.futures
-import os
 
 import openai
 import pytest

