@@ -11,7 +11,7 @@ import pytest
 from loadgen.errors import UsageError
 from loadgen.workloads import WORKLOAD_NAMES, WorkloadConfig, build_workload, parse_workload_names
 from loadgen.workloads import agent_loop, rag_shuffle, trace
-from loadgen.workloads.text import estimate_chat_tokens
+from loadgen.workloads.text import content_text, estimate_chat_tokens
 from loadgen_inputs import write_docs, write_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
@@ -112,7 +112,7 @@ def test_agent_loop_compaction_summarizes_and_stays_in_budget(cfg):
 
 
 def _doc_ids(request) -> list[int]:
-    body = request.messages[1]["content"]
+    body = content_text(request.messages[1]["content"])
     return [int(line[len("[doc "):-1]) for line in body.splitlines() if line.startswith("[doc ")]
 
 
@@ -132,7 +132,7 @@ def test_rag_shuffle_reuses_documents_in_new_orders(cfg):
     # a document's text is identical wherever it appears, so non-prefix reuse can find it
     texts: dict[int, set[str]] = {}
     for r in workload.requests:
-        body = r.messages[1]["content"]
+        body = content_text(r.messages[1]["content"])
         for block in body.split("[doc ")[1:]:
             doc_id, _, rest = block.partition("]\n")
             texts.setdefault(int(doc_id), set()).add(rest.split("\n\n")[0])

@@ -36,7 +36,9 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
     sessions = []
     for i in range(cfg.requests):
         picked = rng.sample(range(len(pool)), cfg.rag_k)  # sample() returns them in random order
-        body = INSTRUCTION + "".join(document_block(d, pool[d]) for d in picked) + f"Question: {question(rng)}"
-        messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": body})
+        # one text part per document, as a RAG client sends them: each part is a chunk the server can reuse
+        parts = [INSTRUCTION] + [document_block(d, pool[d]) for d in picked] + [f"Question: {question(rng)}"]
+        messages = ({"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": [{"type": "text", "text": t} for t in parts]})
         sessions.append(Session(id=f"rag{i}", requests=[RequestSpec(session=f"rag{i}", turn=0, max_tokens=cfg.output_tokens, messages=messages)]))
     return Workload(name=name, sessions=sessions)

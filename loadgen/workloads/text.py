@@ -35,9 +35,14 @@ def estimate_tokens(text: str, chars_per_token: float) -> int:
     return int(len(text) / chars_per_token) + 1
 
 
+def content_text(content) -> str:
+    """A message's text, whether its content is a string or a list of {"type": "text"} parts."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
 def estimate_chat_tokens(messages, chars_per_token: float) -> int:
     """Content estimate plus a few tokens per message for the chat template's markers."""
-    return sum(estimate_tokens(m["content"], chars_per_token) + 5 for m in messages) + 3
+    return sum(estimate_tokens(content_text(m["content"]), chars_per_token) + 5 for m in messages) + 3
 
 
 def sentence(rng: random.Random, min_words: int = 6, max_words: int = 16) -> str:
