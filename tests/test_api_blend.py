@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from blend.chunking import encode, render_chat_chunks
 from reuse_server.api.chat_template import PART_SEPARATOR
-from test_api_server import MODEL, metric, running_server, scrape, wait_idle
+from server_process import metric, running_server, scrape, wait_idle
+from test_api_server import MODEL
 from tiny_checkpoint import write_tiny_checkpoint
 
 BLOCK_SIZE = 4

@@ -1,67 +1,19 @@
 """The real server in a subprocess (tiny random checkpoint, loopback port), driven by the official openai
 client and raw httpx: responses, streaming, cache reporting, errors, metrics and client disconnects."""
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from blend.chunking import encode, render_chat_chunks
+from server_process import metric, running_server, scrape, wait_idle
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_server(model_path, log_path: Path, *extra_args: str):
-    """`reuse-server serve` on the tiny checkpoint in a subprocess; yields its base URL once /health answers.
-    On the way out: stops it and fails if its log holds a traceback."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--model", str(model_path),
-           "--served-model-name", MODEL, "--port", str(port), "--log-level", "warning", *extra_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up in 120 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -80,29 +32,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_path):
     return AutoTokenizer.from_pretrained(tiny_llama_path)
-
-
-def scrape(url: str) -> dict:
-    """{(sample name, frozenset(labels)): value} of one /metrics scrape."""
-    text = httpx.get(url + "/metrics").text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def metric(samples: dict, name: str, **labels) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def wait_idle(url: str, timeout: float = 15.0) -> dict:
-    """Poll /metrics until no request runs or waits and no KV block is in use (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = scrape(url)
-        idle = (metric(m, "kvreuse_kv_blocks", state="in_use") == 0 and metric(m, "kvreuse_requests_running") == 0
-                and metric(m, "kvreuse_requests_waiting") == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
 
 
 def unique_text(words: int = 60) -> str:

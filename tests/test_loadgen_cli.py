@@ -1,7 +1,6 @@
 """`reuse-loadgen run`: bad flags and an unreachable server end with one clear line and exit 2."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +8,9 @@ from pathlib import Path
 import pytest
 
 from loadgen import cli
+from server_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_loopback_port() -> int:
-    """A port nothing listens on: bound, then released."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -25,7 +18,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_unreachable_server_is_one_clear_line(tmp_path):
-    port = free_loopback_port()
+    port = free_port()
     out = tmp_path / "out"
     proc = run_cli("run", "--server", f"http://127.0.0.1:{port}", "--workload", "agent-loop", "--out", str(out),
                    "--requests", "2", "--no-progress")
@@ -52,7 +45,7 @@ def test_bad_flag_value_is_an_argparse_error_not_a_traceback():
     (["--workload", "agent-loop", "--recompute-ratio", "0.2"], "--recompute-ratio needs --kv-blend on"),
 ])
 def test_usage_errors(tmp_path, capsys, flags, message):
-    argv = ["run", "--server", f"http://127.0.0.1:{free_loopback_port()}", "--out", str(tmp_path / "o"), "--no-progress"]
+    argv = ["run", "--server", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "o"), "--no-progress"]
     if "--server" in flags:
         argv[1:3] = []
     assert cli.main(argv + flags) == 2

@@ -3,11 +3,6 @@ and the report's numbers checked against what the server's /metrics counted over
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -16,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadgen import cli
 from loadgen.workloads import WORKLOAD_NAMES
 from loadgen_inputs import write_docs, write_trace
+from server_process import running_server
 from tiny_checkpoint import write_tiny_checkpoint
 
 BLOCK = 16  # the server's --block-size in this test
@@ -23,45 +19,12 @@ REQUESTS = 6
 CONCURRENCY = 3
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
-    port = free_loopback_port()
     log = tmp_path_factory.mktemp("server-log") / "server.log"
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "reuse_server.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(port), "--device", "cpu", "--block-size", str(BLOCK), "--max-model-len", "1024",
-             "--log-level", "warning"],
-            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"reuse-server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"reuse-server did not become healthy in 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    with running_server(model, log, "--block-size", str(BLOCK), "--max-model-len", "1024") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def server_counters(url: str) -> dict[str, float]:

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from blend.chunking import encode, render_chat_chunks
 from reuse_server.model.loader import resolve_model
-from test_api_server import running_server
+from server_process import running_server
 
 BLOCK_SIZE = 16
 MODEL = "SmolLM2-135M-Instruct"
@@ -57,9 +57,8 @@ def client(model_path, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("smollm2-server") / "server.log"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared CPU
-        # the later --served-model-name overrides the "tiny" running_server sets (argparse keeps the last)
-        with running_server("smollm2", log_path, "--served-model-name", MODEL, "--block-size", str(BLOCK_SIZE),
-                            "--kv-cache-memory", "512MiB", "--max-model-len", "2048") as url:
+        with running_server("smollm2", log_path, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "512MiB",
+                            "--max-model-len", "2048", served_name=MODEL) as url:
             yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
