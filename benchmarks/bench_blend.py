@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0,0.05,0.15,0.3")
     ap.add_argument("--check-layers", default="1")
     ap.add_argument("--gradual-factors", default="1")
-    ap.add_argument("--score", default="k")
+    ap.add_argument("--score", default="kv")
     ap.add_argument("--first-tokens", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16)

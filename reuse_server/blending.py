@@ -37,7 +37,7 @@ class BlendSettings:
     # Gradual filtering: the fraction kept at each check layer is ratio * factor, the factors falling to 1
     # at the last check layer (e.g. check layers (1, 2, 3) with factors (3, 2, 1)).
     gradual_factors: tuple[float, ...] = (1.0,)
-    score: str = "k"  # deviation score: "k", "v" or "kv"
+    score: str = "kv"  # deviation score: "k", "v" or "kv"
     first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
     min_chunk_tokens: int = 32
 

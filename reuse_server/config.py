@@ -25,7 +25,7 @@ class EngineConfig:
     blend_recompute_ratio: float = 0.15
     blend_check_layers: tuple[int, ...] = (1,)
     blend_gradual_factors: tuple[float, ...] = (1.0,)
-    blend_score: str = "k"
+    blend_score: str = "kv"  # K+V deviation: best of k, v, kv on the needle benchmark (BENCHMARKS.md)
     blend_first_tokens: int = 0
     blend_min_tokens: int = 32
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string

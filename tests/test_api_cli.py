@@ -25,7 +25,7 @@ def test_help_documents_every_flag_with_its_default(capsys):
         assert flag in text, flag
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
                   "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
-                  "(default: off)", "(default: 0.15)", "(default: 1)", "(default: k)", "(default: 32)",
+                  "(default: off)", "(default: 0.15)", "(default: 1)", "(default: kv)", "(default: 32)",
                   "(default: none"]:
         assert shown in text, shown
     assert text.count("(default") >= len(FLAGS) - 1  # --no-blend says "(the default)"
@@ -50,11 +50,11 @@ def test_flags_reach_engine_config():
 def test_blend_flags_reach_engine_config():
     args = build_parser().parse_args([
         "serve", "--blend", "--blend-recompute-ratio", "0.3", "--blend-check-layers", "1,4,8",
-        "--blend-gradual-factors", "3,2,1", "--blend-score", "kv", "--blend-first-tokens", "2",
+        "--blend-gradual-factors", "3,2,1", "--blend-score", "v", "--blend-first-tokens", "2",
         "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
     assert engine_config(args) == EngineConfig(
         model="smollm2", enable_blend=True, blend_recompute_ratio=0.3, blend_check_layers=(1, 4, 8),
-        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="kv", blend_first_tokens=2, blend_min_tokens=8,
+        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="v", blend_first_tokens=2, blend_min_tokens=8,
         blend_separator="\n\n###\n\n")
     assert engine_config(build_parser().parse_args(["serve", "--no-blend"])).enable_blend is False
 
