@@ -30,37 +30,36 @@ def parse_size(text: str) -> int:
     return size
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{value} must not be negative" if minimum == 0 else f"{value} must be at least {minimum}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def block_size(text: str) -> int:
-    value = positive_int(text)
-    if value > 512 or value & (value - 1):
-        raise argparse.ArgumentTypeError(f"{value} is not a power of two between 1 and 512")
-    return value
+    from radix import check_block_size  # the cache index owns the rule
+
+    try:
+        return check_block_size(positive_int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port(text: str) -> int:
     value = positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1..65535)")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must not be negative")
     return value
 
 
