@@ -15,6 +15,7 @@ from blend.chunking import encode
 from fastapi import Request
 from fastapi.responses import Response
 
+from reuse_server.api.chat_template import user_turn_opening
 from reuse_server.api.errors import ModelNotFound
 from reuse_server.api.generation import until_done_or_disconnected
 from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
@@ -22,29 +23,33 @@ from reuse_server.outputs import RequestOutput
 from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
 
 
-def check_lengths(chunks: list[list[int]], limit: int) -> None:
-    """A chunk is computed as a prompt of its own: it must leave the one token a prompt needs."""
+def check_lengths(chunks: list[list[int]], limit: int, opening: int) -> None:
+    """A chunk is computed as a prompt of its own, after the chat template's opening; it must leave the one
+    token a prompt needs."""
+    room = limit - opening - 1
     for i, ids in enumerate(chunks):
-        if len(ids) >= limit:
+        if len(ids) > room:
             raise InvalidRequest(
-                f"chunks[{i}] has {len(ids)} tokens, but this model's maximum context length is {limit} "
-                f"tokens, so a chunk can have at most {limit - 1}.", f"chunks[{i}]", "context_length_exceeded")
+                f"chunks[{i}] has {len(ids)} tokens, but this model's maximum context length is {limit} tokens "
+                f"and the chat template's opening takes {opening}, so a chunk can have at most {room}.",
+                f"chunks[{i}]", "context_length_exceeded")
 
 
-async def precompute_one(engine, token_ids: list[int], salt: str | None) -> RequestOutput:
+async def precompute_one(engine, opening: list[int], token_ids: list[int], salt: str | None) -> RequestOutput:
     # blend=False: a chunk already in the index would otherwise be blended from itself, and a blended
     # chunk is neither registered again nor reported as present.
-    options = CacheOptions(chunk_spans=[(0, len(token_ids))], precompute_only=True, cache_salt=salt, blend=False)
+    options = CacheOptions(chunk_spans=[(len(opening), len(token_ids))], precompute_only=True, cache_salt=salt,
+                           blend=False)
     last = None
-    async with aclosing(engine.generate(f"chunk-{uuid.uuid4().hex}", token_ids,
+    async with aclosing(engine.generate(f"chunk-{uuid.uuid4().hex}", opening + token_ids,
                                         SamplingParams(max_tokens=1, temperature=0.0), options)) as outputs:
         async for out in outputs:
             last = out
     return last
 
 
-async def precompute_all(engine, chunks: list[list[int]], salt: str | None) -> list[RequestOutput]:
-    tasks = [asyncio.ensure_future(precompute_one(engine, ids, salt)) for ids in chunks]
+async def precompute_all(engine, opening: list[int], chunks: list[list[int]], salt: str | None) -> list[RequestOutput]:
+    tasks = [asyncio.ensure_future(precompute_one(engine, opening, ids, salt)) for ids in chunks]
     try:
         return await asyncio.gather(*tasks)
     finally:  # one failed or the client left: stop the rest too (their requests are aborted)
@@ -69,11 +74,12 @@ async def precompute_chunks(engine, body: CacheChunksRequest, request: Request) 
     if body.model is not None and body.model != engine.model_id:
         raise ModelNotFound(body.model, engine.model_id)
     chunks = [list(encode(engine.tokenizer, text)) for text in body.chunks]
-    check_lengths(chunks, engine.max_model_len)  # before any KV block is touched
+    opening = user_turn_opening(engine.tokenizer)
+    check_lengths(chunks, engine.max_model_len, len(opening))  # before any KV block is touched
     min_tokens = engine.config.blend_min_tokens
     todo = [i for i, ids in enumerate(chunks) if len(ids) >= min_tokens]
     finals = await until_done_or_disconnected(
-        precompute_all(engine, [chunks[i] for i in todo], body.cache_salt), request)
+        precompute_all(engine, opening, [chunks[i] for i in todo], body.cache_salt), request)
     by_index = dict(zip(todo, finals))
     results = [chunk_result(i, len(ids), by_index.get(i), min_tokens) for i, ids in enumerate(chunks)]
     response = CacheChunksResponse(model=engine.model_id, stored_tokens=sum(r.stored_tokens for r in results),

@@ -39,3 +39,18 @@ def render_chat_prompt(tokenizer, messages: list[ChatMessage]) -> PromptChunks:
     except TemplateError as exc:  # e.g. a template that insists roles alternate
         raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "messages") from exc
     return from_chunks(chunks)
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """The tokens a chat prompt puts before the first user message's content (a default system prompt, the
+    user header). Precomputed chunks are computed after them, so that when a chunk is reused its cached KV
+    was made with the same attention sink at the start of the context (measured: 87.5% vs 77.5% needle
+    accuracy at 15% recompute, BENCHMARKS.md). Empty for a model without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        rendered = from_chunks(render_chat_chunks(tokenizer, [{"role": "user", "content": "x"}],
+                                                  add_generation_prompt=False, part_separator=PART_SEPARATOR))
+    except TemplateError:
+        return []
+    return rendered.token_ids[: rendered.chunk_spans[0][0]] if rendered.chunk_spans else []
