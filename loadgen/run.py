@@ -28,34 +28,22 @@ from loadgen.workloads import WORKLOAD_NAMES, Workload, WorkloadConfig, build_wo
 from loadgen.workloads.spec import RequestSpec, Session
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def bounded_number(kind, description: str, ok):
+    """An argparse type: `kind(text)` that satisfies `ok`, else one clear message."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+positive_int = bounded_number(int, "a positive integer", lambda v: v >= 1)
+non_negative_int = bounded_number(int, "a non-negative integer", lambda v: v >= 0)
+positive_float = bounded_number(float, "a positive number", lambda v: v > 0)  # also rejects nan
 
 
 def non_negative_float(text: str) -> float:

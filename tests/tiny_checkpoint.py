@@ -88,42 +88,16 @@ def tiny_hf_config(
     raise ValueError(f"unknown arch {arch!r}")
 
 
-def write_tiny_checkpoint(
-    path,
-    arch: str = "llama",
-    seed: int = 0,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    tie_word_embeddings: bool = False,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict | None = None,
-    sliding_window: int | None = None,
-    max_position_embeddings: int = 4096,
-) -> Path:
-    """Write a random fp32 checkpoint of the given shape plus the tiny tokenizer into `path`; return it.
+def write_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **shape) -> Path:
+    """Write a random fp32 checkpoint plus the tiny tokenizer into `path`; return it. `shape` takes
+    tiny_hf_config's keyword arguments (num_layers, hidden_size, rope_scaling, ...).
     Same arguments and seed -> same weights."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_hf_config(
-        arch,
-        vocab_size=len(tokenizer),
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        sliding_window=sliding_window,
-        max_position_embeddings=max_position_embeddings,
-    )
+    config = tiny_hf_config(arch, vocab_size=len(tokenizer), **shape)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(path)
