@@ -97,8 +97,11 @@ class Blender:
                 reuses.append(Reuse(start, hit, skip))
         if not reuses:
             return None
+        return BlendPlan(reuses, self.ratio_for(seq))
+
+    def ratio_for(self, seq: Sequence) -> float:
         ratio = seq.cache.recompute_ratio
-        return BlendPlan(reuses, self.settings.recompute_ratio if ratio is None else ratio)
+        return self.settings.recompute_ratio if ratio is None else ratio
 
     def release(self, plan: BlendPlan) -> None:
         if plan.locked:

@@ -12,9 +12,14 @@ from radix import OutOfBlocks, RadixCache
 
 from reuse_server.sequence import Sequence
 
-# Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace
-# so that requests which did not ask for blending only ever hit exact KV.
+# Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
+# one per blending setting (the recompute ratio), so that requests which did not ask for blending only ever
+# hit exact KV, and a request never reuses KV blended with less recomputation than it asked for.
 APPROXIMATE = b"\x00approx"
+
+
+def approximate_namespace(recompute_ratio: float) -> bytes:
+    return APPROXIMATE + f"{recompute_ratio:.6g}".encode()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -31,7 +36,7 @@ class BlockManager:
 
     @staticmethod
     def publish_key(seq: Sequence) -> bytes:
-        return seq.extra_key + APPROXIMATE if seq.approximate else seq.extra_key
+        return seq.extra_key + seq.approximate_key if seq.approximate else seq.extra_key
 
     def _caches(self, seq: Sequence) -> bool:
         return self.enable_prefix_cache and seq.uses_prefix_cache
@@ -46,16 +51,17 @@ class BlockManager:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
-    def admit(self, seq: Sequence, first_chunk_tokens: int, allow_approximate: bool = False) -> bool:
+    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_key: bytes | None = None) -> bool:
         """Match seq's prefix, lock it, and allocate blocks for the first chunk. False (nothing held) if
-        the pool cannot take it now. With allow_approximate (the request accepts blending) the prefix may
-        also come from an earlier blended sequence."""
+        the pool cannot take it now. With an approximate_key (the request accepts blending with that
+        setting) the prefix may also come from an earlier sequence blended the same way."""
         assert not seq.block_table and seq.node is None
         if self._caches(seq):
             tokens = self._matchable(seq)
             match = self.cache.match(tokens, seq.extra_key, record_stats=False)
-            if allow_approximate:
-                approx = self.cache.match(tokens, seq.extra_key + APPROXIMATE, record_stats=False)
+            seq.approximate_key = approximate_key or b""
+            if approximate_key is not None:
+                approx = self.cache.match(tokens, seq.extra_key + approximate_key, record_stats=False)
                 if approx.num_tokens > match.num_tokens:
                     match = approx
                     seq.approximate = True
@@ -109,11 +115,13 @@ class BlockManager:
             self.cache.free(result.duplicate_block_ids)
         seq.num_inserted_blocks = full
 
-    def make_approximate(self, seq: Sequence) -> None:
-        """seq's KV is about to become approximate (blended). Its leading blocks belong to the exact tree;
-        give it private copies so its whole chain can be filed under the approximate namespace."""
+    def make_approximate(self, seq: Sequence, approximate_key: bytes) -> None:
+        """seq's KV is about to become approximate (blended with approximate_key's setting). Its leading
+        blocks belong to the exact tree; give it private copies so its whole chain can be filed under the
+        approximate namespace."""
         if seq.approximate or not self._caches(seq):
             return
+        seq.approximate_key = approximate_key
         n = seq.num_inserted_blocks
         if n:
             try:
@@ -141,4 +149,5 @@ class BlockManager:
         seq.num_computed = 0
         seq.num_inserted_blocks = 0
         seq.approximate = False
+        seq.approximate_key = b""
         seq.unpublishable = False

@@ -34,6 +34,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     num_inserted_blocks: int = 0  # leading full blocks already handed to the radix tree
     approximate: bool = False  # KV derived from blending: filed under the approximate namespace
+    approximate_key: bytes = b""  # that namespace (one per blending setting)
     unpublishable: bool = False  # approximate KV that could not be moved out of the exact tree
 
     # usage accounting (first admission only: a preempted request's recompute is our cost, not the client's hit)

@@ -218,6 +218,24 @@ def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpo
     assert engine.cache.stats().in_use_blocks == 0
 
 
+def test_blended_kv_serves_only_requests_blending_with_the_same_ratio(checkpoint):
+    engine = make_engine(checkpoint)
+    parts = passages(17, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    full_blocks = (len(ids) - 1) // BS * BS
+    naive = generate(engine, "naive", ids, spans, blend=True, ratio=0.0)[2]
+    assert naive.blended_tokens > 0 and naive.recomputed_tokens == 0
+    # asking for more recomputation must not be served the cheaper blend of the same prompt
+    careful = generate(engine, "careful", ids, spans, blend=True, ratio=0.5)[2]
+    assert careful.recomputed_tokens > 0 and careful.cached_tokens < full_blocks + careful.blended_tokens
+    for rid, ratio in (("naive-again", 0.0), ("careful-again", 0.5)):
+        again = generate(engine, rid, ids, spans, blend=True, ratio=ratio)[2]
+        assert again.cached_tokens == full_blocks and again.blended_tokens == 0 and again.recomputed_tokens == 0
+    assert engine.cache.stats().in_use_blocks == 0
+
+
 def test_a_chunk_that_starts_inside_the_prefix_hit_is_still_blended(checkpoint):
     engine = make_engine(checkpoint)
     chunk = passages(8, engine.vocab_size, sizes=(24,))[0]
