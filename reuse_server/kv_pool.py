@@ -73,16 +73,33 @@ class KVPool:
         k_flat.index_copy_(0, slot_mapping, k.to(self.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(self.dtype))
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of positions 0..length-1 of the sequence owning block_table: [length, kv_heads, head_dim] each."""
+    def gather(self, layer: int, block_table: torch.Tensor, length: int,
+               first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions 0..length-1 of the sequence owning block_table: [length, kv_heads, head_dim] each.
+        first_block: the table's blocks for those positions are first_block, first_block + 1, ... (see
+        consecutive_start); the result is then a read-only view of the pool instead of a copy."""
         num = -(-length // self.block_size)
         if num > len(block_table):
             raise ValueError(f"length {length} needs {num} blocks, the block table has {len(block_table)}")
-        blocks = block_table[:num].to(self.device, non_blocking=True)
         shape = (num * self.block_size, self.num_kv_heads, self.head_dim)
+        if first_block is not None:
+            end = first_block + num
+            return self.k[layer][first_block:end].view(shape)[:length], self.v[layer][first_block:end].view(shape)[:length]
+        blocks = block_table[:num].to(self.device, non_blocking=True)
         k = self.k[layer].index_select(0, blocks).view(shape)[:length]
         v = self.v[layer].index_select(0, blocks).view(shape)[:length]
         return k, v
+
+    def consecutive_start(self, block_table: torch.Tensor, length: int) -> int | None:
+        """The first block id if the blocks holding positions 0..length-1 are consecutive ids, else None.
+        A fresh pool hands out consecutive ids, so a long prompt's blocks often are."""
+        num = -(-length // self.block_size)
+        blocks = block_table[:num]
+        if num == 0 or int(blocks[-1]) - int(blocks[0]) != num - 1:
+            return None
+        if num > 2 and not bool((blocks[1:] - blocks[:-1] == 1).all()):
+            return None
+        return int(blocks[0])
 
     def read_slots(self, layer: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V stored at the given slots: [T, kv_heads, head_dim] each (copies)."""

@@ -65,3 +65,19 @@ def test_copy_blocks_copies_every_layer():
     pool.copy_blocks(torch.tensor([2, 0]), torch.tensor([5, 3]))
     for layer in range(2):
         assert torch.equal(pool.k[layer][5], pool.k[layer][2]) and torch.equal(pool.v[layer][3], pool.v[layer][0])
+
+
+def test_consecutive_blocks_are_read_in_place():
+    pool = make_pool(num_blocks=8)
+    table = torch.tensor([2, 3, 4, 6])
+    k, v = torch.randn(14, 2, 3), torch.randn(14, 2, 3)
+    slots = torch.tensor([int(table[p // 4]) * 4 + p % 4 for p in range(14)])
+    pool.write(1, slots, k, v)
+    assert pool.consecutive_start(table, 12) == 2  # positions 0..11 live in blocks 2, 3, 4
+    assert pool.consecutive_start(table, 13) is None  # position 12 is in block 6
+    assert pool.consecutive_start(torch.tensor([2, 4, 3]), 12) is None  # right span, wrong order
+    gk, gv = pool.gather(1, table, 11, first_block=2)
+    assert torch.equal(gk, k[:11]) and torch.equal(gv, v[:11])
+    assert gk.data_ptr() == pool.k[1][2].data_ptr()  # a view of the pool, not a copy
+    copied, _ = pool.gather(1, table, 11)
+    assert torch.equal(copied, gk)

@@ -244,3 +244,36 @@ def test_batched_decode_matches_transformers(checkpoints, name):
         for row, (seq, n) in enumerate(zip(seqs, lengths)):
             expected = reference_logits(ref, seq.token_ids[: n - back + 1])[-1:]
             assert rel_err(logits[row:row + 1], expected) <= REL_TOL
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_long_chunk_and_scattered_queries_attend_in_groups(checkpoints, name, consecutive):
+    """A chunk deep in the context and a scattered subset of queries are attended in position groups,
+    each against only the keys its last query sees; over consecutive blocks the pool is read in place.
+    Both must still give transformers' logits."""
+    ours, config, ref = models(checkpoints, name)
+    pool = new_pool(config)
+    n = 160
+    if consecutive:
+        gen = torch.Generator().manual_seed(16)
+        seq = Sequence(torch.randint(3, config.vocab_size, (n,), generator=gen).tolist(), list(range(7, 7 + n // 4)))
+    else:
+        (seq,) = make_sequences([n], pool, config.vocab_size, seed=15)
+    expected = reference_logits(ref, seq.token_ids)
+    first = run_step(ours, pool, [(seq, list(range(30)), 30)])
+    rest = run_step(ours, pool, [(seq, list(range(30, n)), n)])
+    assert rel_err(torch.cat([first, rest]), expected) <= REL_TOL
+
+    subset = sorted(torch.randperm(n, generator=torch.Generator().manual_seed(17))[:90].tolist())
+    meta = AttentionMetadata([0, len(subset)], [seq.block_table], [n], torch.tensor(seq.slots(subset)))
+    positions = torch.tensor(subset)
+    groups = meta.sequence_masks(positions, None, torch.float32)[0].groups
+    assert len(groups) > 1 and groups[0][2] < n  # the first group reads fewer keys than the context
+    assert (meta.consecutive_start(pool, 0) is not None) == consecutive
+    with torch.inference_mode():
+        hidden = ours.embed(torch.tensor([seq.token_ids[p] for p in subset]))
+        for i, layer in enumerate(ours.layers):
+            hidden = layer(hidden, positions, meta, pool, i)
+        logits = ours.compute_logits(ours.final_norm(hidden))
+    assert rel_err(logits, expected[subset]) <= REL_TOL

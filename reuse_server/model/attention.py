@@ -22,6 +22,7 @@ class AttentionMetadata:
     _cache_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
+    _consecutive: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -36,6 +37,12 @@ class AttentionMetadata:
             self._cache[key] = build()
         return self._cache[key]
 
+    def consecutive_start(self, kv, s: int) -> int | None:
+        """kv.consecutive_start of sequence s's block table, worked out once per step."""
+        if self._consecutive is None:
+            self._consecutive = [kv.consecutive_start(t, n) for t, n in zip(self.block_tables, self.context_lens)]
+        return self._consecutive[s]
+
     def sequence_masks(
         self, positions: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
     ) -> list["_SequenceMask"]:
@@ -48,6 +55,24 @@ class AttentionMetadata:
 class _SequenceMask:
     is_causal: bool  # queries are exactly positions 0..ctx-1 in order: SDPA's own causal mask is right
     mask: torch.Tensor | None  # additive [n, ctx]: 0 = may attend, -inf = not; None when nothing is masked
+    # With a mask, queries in ascending position order are attended in groups: (first row, end row, keys),
+    # each group against only the keys its last query can see (scattered blended queries or a chunk deep
+    # in a long context would otherwise score every key and mask half of them away).
+    groups: list[tuple[int, int, int]] | None = None
+
+
+# Split masked queries into groups of at least this many rows (a smaller SDPA call costs more than it saves).
+MIN_GROUP_ROWS = 32
+MAX_GROUPS = 8
+
+
+def _query_groups(q_pos: torch.Tensor, ctx: int) -> list[tuple[int, int, int]]:
+    n = q_pos.shape[0]
+    count = min(MAX_GROUPS, n // MIN_GROUP_ROWS)
+    if count < 2 or not bool((q_pos[1:] >= q_pos[:-1]).all()):
+        return [(0, n, ctx)]
+    bounds = [n * g // count for g in range(count + 1)]
+    return [(lo, hi, int(q_pos[hi - 1]) + 1) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _build_masks(
@@ -83,7 +108,8 @@ def _build_masks(
                 mask &= k_pos[None, :] > q_dev[:, None] - window
             # Additive, built once: SDPA would otherwise turn a bool mask into this in every layer.
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-            out.append(_SequenceMask(False, additive))
+            groups = [(0, hi - lo, ctx)] if windowed else _query_groups(q_pos, ctx)
+            out.append(_SequenceMask(False, additive, groups))
     return out
 
 
@@ -104,18 +130,21 @@ def paged_attention(
         lo, hi = meta.query_start[s], meta.query_start[s + 1]
         if hi == lo:
             continue
-        k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s])
-        # [1, heads, n, hd]: the 4-D layout picks the fused CPU kernel; the 3-D one falls back to the math path.
-        attn = F.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1).unsqueeze(0),
-            k.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            v.to(q.dtype).transpose(0, 1).unsqueeze(0),
-            attn_mask=seq_mask.mask,
-            is_causal=seq_mask.is_causal,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[lo:hi] = attn.squeeze(0).transpose(0, 1)
+        k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(kv, s))
+        k, v = k.to(q.dtype).transpose(0, 1).unsqueeze(0), v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        for g_lo, g_hi, keys in seq_mask.groups or [(0, hi - lo, meta.context_lens[s])]:
+            mask = None if seq_mask.mask is None else seq_mask.mask[g_lo:g_hi, :keys]
+            # [1, heads, n, hd]: the 4-D layout picks the fused CPU kernel; the 3-D one falls back to math.
+            attn = F.scaled_dot_product_attention(
+                q[lo + g_lo:lo + g_hi].transpose(0, 1).unsqueeze(0),
+                k[:, :, :keys],
+                v[:, :, :keys],
+                attn_mask=mask,
+                is_causal=seq_mask.is_causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[lo + g_lo:lo + g_hi] = attn.squeeze(0).transpose(0, 1)
     return out
 
 
