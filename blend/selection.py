@@ -69,6 +69,33 @@ def _unit_mean(dev: torch.Tensor) -> torch.Tensor:
     return torch.where(mean > 0, dev / mean.clamp_min(torch.finfo(dev.dtype).tiny), torch.zeros_like(dev))
 
 
+def query_attention(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention mass [N] each of N keys receives from the queries: per query and head, softmax over the
+    keys at positions <= the query's, then averaged over heads and summed over queries.
+
+    q: [Q, heads, hd] (post-RoPE), k: [N, kv_heads, hd] (post-RoPE); heads a multiple of kv_heads (GQA:
+    query head h reads KV head h // (heads // kv_heads), as transformers' repeat_kv lays them out).
+    """
+    nq, heads, hd = q.shape
+    n, kv_heads, _ = k.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads")
+    scores = torch.einsum("qkgd,nkd->kgqn", q.float().view(nq, kv_heads, heads // kv_heads, hd), k.float()) * scale
+    visible = k_pos.to(q.device)[None, :] <= q_pos.to(q.device)[:, None]  # [Q, N]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key contributes nothing
+    return probs.sum(dim=(0, 1, 2)) / heads
+
+
+def combine_scores(deviation: torch.Tensor, attention: torch.Tensor, weight: float) -> torch.Tensor:
+    """deviation and attention mass, each scaled to mean 1 over the tokens, summed with `weight` on attention."""
+    if deviation.shape != attention.shape:
+        raise ValueError("deviation and attention must score the same tokens")
+    return _unit_mean(deviation.float()) + weight * _unit_mean(attention.float())
+
+
 def count_for_ratio(ratio: float, n: int) -> int:
     """ceil(ratio*n) for ratio in [0, 1]; 0 -> 0, 1 -> n."""
     if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):

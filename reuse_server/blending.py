@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from blend import GradualSchedule, first_tokens_mask, kv_deviation, rerope_layers_
 from blend.chunk_index import ChunkHit, ChunkIndex
-from blend.selection import count_for_ratio, select_top_k
+from blend.selection import combine_scores, count_for_ratio, query_attention, select_top_k
 from radix import OutOfBlocks
 
 from reuse_server.kv_pool import KVPool
@@ -39,6 +39,9 @@ class BlendSettings:
     gradual_factors: tuple[float, ...] = (1.0,)
     score: str = "kv"  # deviation score: "k", "v" or "kv"
     first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
+    # Query-aware selection: add, with this weight, the attention the prompt's tail after the last reused
+    # chunk (the question) pays each reused token at the check layer; 0: deviation alone (CacheBlend).
+    query_weight: float = 0.0
     min_chunk_tokens: int = 32
 
     def schedule(self, ratio: float) -> GradualSchedule:
@@ -164,6 +167,9 @@ class Blender:
             act = active.to(device)
             return act, positions[act], AttentionMetadata([0, len(active)], [table], [end], slots[act])
 
+        probe = None
+        if self.settings.query_weight and n_reused:
+            probe = self._question_probe(ids, positions, slots, table, end, reused)
         act, pos, meta = batch_of(active)
         for i, layer in enumerate(self.model.layers):
             if schedule.is_check_layer(i) and bool(reused[active].any()):
@@ -175,6 +181,8 @@ class Blender:
                 old_k, old_v = self.kv.read_slots(i, slots[act[cand_dev]])
                 self.kv.write(i, slots[act], fresh_k, fresh_v)  # every token gets this layer's fresh K/V
                 dev = kv_deviation(old_k, fresh_k[cand_dev], old_v, fresh_v[cand_dev], score=self.settings.score)
+                if probe is not None:
+                    dev = combine_scores(dev, probe[active[cand]], self.settings.query_weight)
                 keep = count_for_ratio(schedule.ratios[schedule.check_layers.index(i)], n_reused)
                 cand_always = always[active[cand]] if always is not None else None
                 chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
@@ -189,6 +197,24 @@ class Blender:
         seq.cached_tokens = (seq.cached_tokens or 0) + seq.blended_tokens
         last = self.model.final_norm(hidden[-1:])
         return self.model.compute_logits(last)
+
+    def _question_probe(self, ids, positions, slots, table, end: int, reused: torch.Tensor) -> torch.Tensor:
+        """Run the prompt's tail after the last reused token (the question) through every layer over the
+        reused KV as it stands, and return the attention mass [n] it pays each token of the blended range,
+        summed over layers. The tail's KV written here is rewritten by the blended pass."""
+        n = reused.shape[0]
+        device = ids.device
+        tail = torch.arange(int(reused.nonzero()[-1]) + 1, n, device=device)
+        hidden, pos = self.model.embed(ids[tail]), positions[tail]
+        meta = AttentionMetadata([0, len(tail)], [table], [end], slots[tail])
+        all_pos = torch.arange(end, device=device)
+        mass = torch.zeros(n, dtype=torch.float32, device=device)
+        for i, layer in enumerate(self.model.layers):
+            q = layer.project_q(hidden, pos)
+            hidden = layer(hidden, pos, meta, self.kv, i)  # writes the tail's K/V first
+            k, _ = self.kv.gather(i, table, end, meta.consecutive_start(self.kv, 0))
+            mass += query_attention(q, k, pos, all_pos, layer.self_attn.scale)[end - n:]
+        return mass.cpu()
 
     # registration -------------------------------------------------------------------------
     def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:

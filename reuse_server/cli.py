@@ -63,13 +63,24 @@ def port(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def fraction(text: str) -> float:
+    value = _number(text)
     if not 0.0 <= value <= 1.0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
     return value
 
 
@@ -179,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     blend.add_argument("--blend-first-tokens", type=non_negative_int, metavar="N",
                        default=defaults.blend_first_tokens,
                        help="always recompute each reused chunk's first N tokens (0: off)")
+    blend.add_argument("--blend-query-weight", type=non_negative_float, metavar="W",
+                       default=defaults.blend_query_weight,
+                       help="query-aware selection: first run the prompt's tail after the last reused chunk (the "
+                            "question) over the reused KV, and add W times the attention it pays each token to "
+                            "the deviation score (0: off, plain CacheBlend; costs one pass of the tail)")
     blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
                        help="shortest chunk, in tokens, that is cached and reused")
     blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
@@ -200,7 +216,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
-        blend_min_tokens=args.blend_min_tokens, blend_separator=args.blend_separator)
+        blend_query_weight=args.blend_query_weight, blend_min_tokens=args.blend_min_tokens, blend_separator=args.blend_separator)
 
 
 def blend_flags_problem(args: argparse.Namespace) -> str | None:

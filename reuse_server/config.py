@@ -27,5 +27,6 @@ class EngineConfig:
     blend_gradual_factors: tuple[float, ...] = (1.0,)
     blend_score: str = "kv"  # K+V deviation: best of k, v, kv on the needle benchmark (BENCHMARKS.md)
     blend_first_tokens: int = 0
+    blend_query_weight: float = 0.0
     blend_min_tokens: int = 32
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string

@@ -63,7 +63,8 @@ class LLMEngine:
         self.blender = Blender(self.model, self.kv, self.chunk_index, BlendSettings(
             recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
             gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-            first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens), bs)
+            first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
+            query_weight=config.blend_query_weight), bs)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.blender, config.enable_blend)
         self.runner = ModelRunner(self.model, self.kv, bs, config.device)

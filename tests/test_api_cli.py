@@ -13,7 +13,7 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
-         "--blend-first-tokens", "--blend-min-tokens", "--blend-separator"]
+         "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator"]
 
 
 def test_help_documents_every_flag_with_its_default(capsys):
@@ -51,10 +51,11 @@ def test_blend_flags_reach_engine_config():
     args = build_parser().parse_args([
         "serve", "--blend", "--blend-recompute-ratio", "0.3", "--blend-check-layers", "1,4,8",
         "--blend-gradual-factors", "3,2,1", "--blend-score", "v", "--blend-first-tokens", "2",
-        "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
+        "--blend-query-weight", "1.5", "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
     assert engine_config(args) == EngineConfig(
         model="smollm2", enable_blend=True, blend_recompute_ratio=0.3, blend_check_layers=(1, 4, 8),
-        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="v", blend_first_tokens=2, blend_min_tokens=8,
+        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="v", blend_first_tokens=2, blend_query_weight=1.5,
+        blend_min_tokens=8,
         blend_separator="\n\n###\n\n")
     assert engine_config(build_parser().parse_args(["serve", "--no-blend"])).enable_blend is False
 
@@ -88,6 +89,8 @@ def test_parse_size(text, size):
     (["--blend", "--no-blend"], "not allowed with"),
     (["--blend-first-tokens", "-1"], "must not be negative"),
     (["--blend-min-tokens", "0"], "at least 1"),
+    (["--blend-query-weight", "-1"], "finite number >= 0"),
+    (["--blend-query-weight", "inf"], "finite number >= 0"),
     (["--blend-separator", ""], "must not be empty"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):

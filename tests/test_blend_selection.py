@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from blend.selection import (
     GradualSchedule,
+    combine_scores,
+    query_attention,
     count_for_ratio,
     first_tokens_mask,
     kv_deviation,
@@ -172,3 +174,28 @@ def test_first_tokens_mask():
         first_tokens_mask([0], [4], k=1, total=3)
     with pytest.raises(ValueError):
         first_tokens_mask([0, 1], [4], k=1)
+
+
+def test_query_attention_is_per_head_softmax_mass_with_gqa():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 8, generator=g)  # 3 queries, 4 heads sharing 2 KV heads
+    k = torch.randn(6, 2, 8, generator=g)
+    q_pos, k_pos = torch.tensor([3, 4, 5]), torch.arange(6)
+    mass = query_attention(q, k, q_pos, k_pos, scale=0.5)
+    expected = torch.zeros(6)
+    for h in range(4):
+        for i, p in enumerate(q_pos.tolist()):
+            scores = (k[: p + 1, h // 2] @ q[i, h]) * 0.5
+            expected[: p + 1] += torch.softmax(scores, dim=0) / 4
+    assert torch.allclose(mass, expected, atol=1e-6)
+    assert math.isclose(float(mass.sum()), 3.0, rel_tol=1e-5)  # each query spreads one unit
+    assert float(query_attention(q[:1], k, q_pos[:1], k_pos, 0.5)[4:].abs().sum()) == 0.0  # future keys
+
+
+def test_combine_scores_balances_scales():
+    dev = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    attn = torch.tensor([0.0, 0.0, 0.0, 0.01])
+    assert torch.argmax(combine_scores(dev, attn, 1.0)) in (0, 3)
+    assert int(torch.argmax(combine_scores(dev, attn, 2.0))) == 3  # weight favours the attended token
+    with pytest.raises(ValueError):
+        combine_scores(dev, attn[:3], 1.0)

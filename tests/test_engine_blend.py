@@ -81,8 +81,10 @@ def seq_kv(engine: LLMEngine, ids: list[int]):
     return ks, vs
 
 
-def test_ratio_one_reproduces_full_prefill(checkpoint):
-    blended = make_engine(checkpoint)
+@pytest.mark.parametrize("query_weight", [0.0, 1.0])
+def test_ratio_one_reproduces_full_prefill(checkpoint, query_weight):
+    # with query-aware selection on, the question's probe pass writes KV that the blended pass must replace
+    blended = make_engine(checkpoint, blend_query_weight=query_weight)
     full = make_engine(checkpoint, enable_blend=False)
     parts = passages(0, blended.vocab_size)
     for i, p in enumerate(parts):

@@ -151,22 +151,26 @@ def paged_attention(
 def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, scale: float) -> torch.Tensor:
     """Several sequences with one query token each, every one seeing its whole context: one gather of the
     block tables padded to the longest context, one masked attention call, instead of a call per sequence."""
+    s, heads, hd = q.shape
+    kv_heads = kv.num_kv_heads
     if meta._decode_plan is None:
         bs = kv.block_size
         longest = max(meta.context_lens)
         width = -(-longest // bs)
         table = torch.zeros(len(meta.block_tables), width, dtype=torch.long, device=q.device)
-        for s, t in enumerate(meta.block_tables):
-            n = -(-meta.context_lens[s] // bs)
-            table[s, :n] = t[:n]
+        for i, t in enumerate(meta.block_tables):
+            n = -(-meta.context_lens[i] // bs)
+            table[i, :n] = t[:n]
         lens = torch.tensor(meta.context_lens, device=q.device)
-        valid = torch.arange(width * bs, device=q.device)[None, :] < lens[:, None]
-        meta._decode_plan = (table, valid[:, None, None, :longest], longest)
-    table, valid, longest = meta._decode_plan
-    s, heads, hd = q.shape
-    k = kv.k[layer_idx][table].view(s, -1, kv.num_kv_heads, hd)[:, :longest]
-    v = kv.v[layer_idx][table].view(s, -1, kv.num_kv_heads, hd)[:, :longest]
+        valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+        meta._decode_plan = (table.flatten(), mask[:, None, None, :], longest)
+    flat_table, mask, longest = meta._decode_plan
+    # index_select over whole blocks: far cheaper than advanced indexing with a 2-D table
+    k = kv.k[layer_idx].index_select(0, flat_table).view(s, -1, kv_heads, hd)[:, :longest]
+    v = kv.v[layer_idx].index_select(0, flat_table).view(s, -1, kv_heads, hd)[:, :longest]
+    # The query heads sharing a KV head become that head's query rows (GQA without repeating K/V).
     out = F.scaled_dot_product_attention(
-        q.view(s, heads, 1, hd), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
-        attn_mask=valid, scale=scale, enable_gqa=True)
-    return out.view(s, heads, hd)
+        q.view(s, kv_heads, heads // kv_heads, hd), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),
+        attn_mask=mask, scale=scale)
+    return out.reshape(s, heads, hd)

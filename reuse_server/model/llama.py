@@ -49,6 +49,12 @@ class Attention(nn.Module):
         cos, sin = meta.cached(positions, ("rope", k.dtype), lambda: rotary.cos_sin(positions, k.dtype))
         return apply_rotary(k, cos, sin), v
 
+    def project_q(self, hidden, positions, rotary: RotaryEmbedding):
+        """The tokens' queries (post-RoPE): [T, heads, head_dim]."""
+        q = self.q_proj(hidden).view(hidden.shape[0], self.num_heads, self.head_dim)
+        cos, sin = rotary.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin)
+
     def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding):
         t = hidden.shape[0]
         q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
@@ -93,6 +99,10 @@ class DecoderLayer(nn.Module):
     def project_kv(self, hidden, positions, meta: AttentionMetadata):
         """The K/V this layer would write for the tokens, without attending (blending's deviation check)."""
         return self.self_attn.project_kv(self.input_layernorm(hidden), positions, meta, self.rotary)
+
+    def project_q(self, hidden, positions):
+        """The queries this layer would attend with (blending's query-aware selection)."""
+        return self.self_attn.project_q(self.input_layernorm(hidden), positions, self.rotary)
 
 
 class LlamaModel(nn.Module):
