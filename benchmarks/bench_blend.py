@@ -3,7 +3,9 @@
 Each case: k passages of a few hundred tokens from the Lee background corpus, one carrying a planted
 fact ("The access code for the Orion project is NNNN."), then the question, in SmolLM2's chat template
 with an assistant turn that starts "Answer:". Passages are precomputed through the chunk index (alone,
-at positions 0..n-1), then served in a new order. For full prefill, naive reuse (ratio 0) and selective
+right after the template opening), then served in a new order (by default with the exact prefix cache on,
+as served, so the template opening and the passage that comes first are exact hits; --no-prefix-cache
+measures blending alone). For full prefill, naive reuse (ratio 0) and selective
 recompute ratios, report answer accuracy, the KL divergence of the first answer token against full
 prefill, greedy agreement of the first tokens, and time to first token (the prefill step).
 
@@ -126,10 +128,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--precompute-after-template", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
-                    help="blended requests also use the exact prefix cache, as served (the passage precomputed "
-                         "right after the template opening that comes first is then an exact hit); full prefill "
-                         "never does")
+    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="blended requests also use the exact prefix cache, as served (the template opening, and "
+                         "the passage precomputed right after it that comes first, are then exact hits); full "
+                         "prefill never does. --no-prefix-cache measures blending alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not DOCS.exists():
@@ -144,9 +146,13 @@ def main() -> None:
     engine.sampler = sampler = CapturingSampler()
     tok = engine.tokenizer
     ratios = [float(r) for r in args.ratios.split(",")]
-    configs = [("full", False, None)] + [(f"ratio={r:g}", True, r) for r in ratios]
+    # (name, blend, ratio, prefix cache); full prefill never uses the cache. "prefix only" (exact prefix
+    # caching without blending) runs last: it files exact KV of the whole prompt that others would hit.
+    configs = [("full", False, None, False)] + [(f"ratio={r:g}", True, r, args.prefix_cache) for r in ratios]
+    if args.prefix_cache:
+        configs.append(("prefix only", False, None, True))
     results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0)
-               for name, _, _ in configs}
+               for name, *_ in configs}
     cases = make_cases(args.cases, args.passages, args.seed, args.max_words)
     # the template's framing before the first passage: a precomputed chunk can be computed after it, so it
     # sees the same attention sink (the prompt's first tokens) it will see when reused
@@ -164,10 +170,10 @@ def main() -> None:
         random.Random(args.seed * 1000 + i).shuffle(order)
         ids, spans = prompt_for(tok, order)
         ref_ids = None
-        for name, blend, ratio in configs:
+        for name, blend, ratio, prefix_cache in configs:
             rid = f"{name}-{i}"
             out_ids, ttft, last = run_one(engine, rid, ids, spans, blend, ratio, args.max_tokens,
-                                          prefix_cache=blend and args.prefix_cache)
+                                          prefix_cache=prefix_cache)
             text = tok.decode(out_ids, skip_special_tokens=True)
             r = results[name]
             r["correct"] += case.code in text
@@ -182,10 +188,10 @@ def main() -> None:
             r["agree"].append(out_ids[:FIRST_TOKENS] == ref_ids[:FIRST_TOKENS])
             sampler.first_logits.pop(rid)
         if (i + 1) % 10 == 0:
-            print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, _, _ in configs), flush=True)
+            print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs), flush=True)
     full_ttft = statistics.median(results["full"]["ttft"])
     rows = []
-    for name, _, _ in configs:
+    for name, *_ in configs:
         r = results[name]
         rows.append(dict(
             config=name, cases=len(cases), accuracy=round(r["correct"] / len(cases), 4),

@@ -39,8 +39,9 @@ class BlendSettings:
     gradual_factors: tuple[float, ...] = (1.0,)
     score: str = "kv"  # deviation score: "k", "v" or "kv"
     first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
-    # Query-aware selection: add, with this weight, the attention the prompt's tail after the last reused
-    # chunk (the question) pays each reused token at the check layer; 0: deviation alone (CacheBlend).
+    # Query-aware selection: a probe pass runs the prompt's tail after the last reused chunk (the question)
+    # over the reused KV; the attention it pays each reused token, summed over layers, joins the deviation
+    # score with this weight. 0: deviation alone (CacheBlend).
     query_weight: float = 0.0
     min_chunk_tokens: int = 32
 
