@@ -169,7 +169,7 @@ class Blender:
             return act, positions[act], AttentionMetadata([0, len(active)], [table], [end], slots[act])
 
         probe = None
-        if self.settings.query_weight and n_reused:
+        if self.settings.query_weight and n_reused and schedule.ratios[0] > 0:  # ratio 0 keeps nothing: no ranking
             probe = self._question_probe(ids, positions, slots, table, end, reused)
         act, pos, meta = batch_of(active)
         for i, layer in enumerate(self.model.layers):
