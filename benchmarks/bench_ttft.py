@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--dtype", default="auto", help="the server's --dtype (auto: fp32 on the CPU)")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -194,14 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     source = TextSource(tokenizer)
     with server_process("--model", args.model, "--max-num-batched-tokens", "8192",
-                        "--kv-cache-memory", args.kv_cache_memory) as (url, _):
+                        "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         model = served_model(url)
         # one small request first, so the first timed request does not pay for lazy initialisation
         stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), args.max_tokens)
         for length in [int(x) for x in args.lengths.split(",")]:
             emit(**measure(url, client, model, tokenizer, source, length, args.warm_repeats, args.max_tokens),
-                 source="lee_background.cor" if DOCS.exists() else "filler")
+                 source="lee_background.cor" if DOCS.exists() else "filler", dtype=args.dtype)
 
 
 if __name__ == "__main__":
