@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from reuse_server.openmp import describe, with_short_spin
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,9 +97,8 @@ def json_row(line: str) -> dict | None:
 
 
 def child_env() -> dict:
-    # torch's OpenMP threads spin while idle by default; with another process on the CPU that makes steps
-    # 10-40x slower, so benchmarks run with passive waiting unless the caller chose otherwise
-    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # how torch's OpenMP threads wait: the server's short spin unless the caller chose otherwise
+    return with_short_spin(os.environ)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_commit": git_commit(), "quick": args.quick, "machine": machine(),
-              "omp_wait_policy": child_env()["OMP_WAIT_POLICY"]}
+              "openmp_wait": describe(child_env())}
     failed = []
     for name in names:
         print(f"== {name}", flush=True)

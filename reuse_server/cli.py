@@ -8,9 +8,9 @@ import os
 import re
 import sys
 
-# torch's OpenMP threads spin-wait by default; on a shared CPU that collapses throughput (10x and
-# worse measured here). Must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from reuse_server.openmp import apply_short_spin  # noqa: E402  (torch-free)
+
+apply_short_spin()  # before torch is imported: see reuse_server/openmp.py
 
 from reuse_server.config import EngineConfig  # noqa: E402
 

@@ -108,3 +108,17 @@ def test_model_that_fails_to_load_exits_1_with_one_line(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not load the model" in lines[0] and str(missing) in lines[0]
+
+
+def test_openmp_threads_get_a_short_spin_unless_the_user_chose():
+    from reuse_server.openmp import apply_short_spin, with_short_spin
+
+    assert with_short_spin({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "3000"}
+    for own in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        assert with_short_spin(own) == own
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    apply_short_spin(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+    env = {}
+    apply_short_spin(env)
+    assert env == {"GOMP_SPINCOUNT": "3000"}

@@ -55,11 +55,9 @@ def model_path():
 @pytest.fixture(scope="module")
 def client(model_path, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("smollm2-server") / "server.log"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared CPU
-        with running_server("smollm2", log_path, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "512MiB",
-                            "--max-model-len", "2048", served_name=MODEL) as url:
-            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with running_server("smollm2", log_path, "--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "512MiB",
+                        "--max-model-len", "2048", served_name=MODEL) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def chat(client, messages, max_tokens, logprobs=False):
