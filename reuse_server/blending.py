@@ -107,6 +107,12 @@ class Blender:
         ratio = seq.cache.recompute_ratio
         return self.settings.recompute_ratio if ratio is None else ratio
 
+    def setting(self, ratio: float) -> str:
+        """Everything that decides what KV a blend at `ratio` produces (the approximate namespace's key)."""
+        s = self.settings
+        return (f"r={ratio:.6g};score={s.score};check={s.check_layers};factors={s.gradual_factors};"
+                f"first={s.first_tokens};query={s.query_weight:g}")
+
     def release(self, plan: BlendPlan) -> None:
         if plan.locked:
             for r in plan.reuses:

@@ -13,13 +13,13 @@ from radix import OutOfBlocks, RadixCache
 from reuse_server.sequence import Sequence
 
 # Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
-# one per blending setting (the recompute ratio), so that requests which did not ask for blending only ever
-# hit exact KV, and a request never reuses KV blended with less recomputation than it asked for.
+# one per blending setting (recompute ratio and selection settings), so that requests which did not ask for
+# blending only ever hit exact KV, and a request never reuses KV blended differently than it asked for.
 APPROXIMATE = b"\x00approx"
 
 
-def approximate_namespace(recompute_ratio: float) -> bytes:
-    return APPROXIMATE + f"{recompute_ratio:.6g}".encode()
+def approximate_namespace(setting: str) -> bytes:
+    return APPROXIMATE + setting.encode()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -147,7 +147,7 @@ class LLMEngine:
                 rows[id(c.seq)] = self.blender.prefill(c.seq, plan)[0]
                 c.seq.blend_plan = None
                 if c.seq.blended_tokens:  # anything not recomputed makes the KV approximate
-                    self.blocks.make_approximate(c.seq, approximate_namespace(plan.ratio))
+                    self.blocks.make_approximate(c.seq, approximate_namespace(self.blender.setting(plan.ratio)))
         outputs = []
         for c in chunks:
             seq = c.seq

@@ -89,7 +89,8 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            approximate_key = approximate_namespace(self.blender.ratio_for(seq)) if self.blends(seq) else None
+            approximate_key = (approximate_namespace(self.blender.setting(self.blender.ratio_for(seq)))
+                               if self.blends(seq) else None)
             if not self.blocks.admit(seq, budget, approximate_key):
                 break  # the pool is full: wait for blocks to come back
             if not self._plan_blend(seq):

@@ -238,6 +238,23 @@ def test_blended_kv_serves_only_requests_blending_with_the_same_ratio(checkpoint
     assert engine.cache.stats().in_use_blocks == 0
 
 
+def test_blended_kv_is_keyed_by_the_selection_settings_too(checkpoint):
+    engine = make_engine(checkpoint)
+    parts = passages(18, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    full_blocks = (len(ids) - 1) // BS * BS
+    assert generate(engine, "kv", ids, spans, blend=True, ratio=0.5)[2].recomputed_tokens > 0
+    engine.blender.settings.score = "k"  # as if the server had been started with --blend-score k
+    by_k = generate(engine, "k", ids, spans, blend=True, ratio=0.5)[2]
+    assert by_k.recomputed_tokens > 0 and by_k.cached_tokens < full_blocks + by_k.blended_tokens
+    engine.blender.settings.score = "kv"
+    again = generate(engine, "kv-again", ids, spans, blend=True, ratio=0.5)[2]
+    assert again.cached_tokens == full_blocks and again.recomputed_tokens == 0
+    assert engine.cache.stats().in_use_blocks == 0
+
+
 def test_a_chunk_that_starts_inside_the_prefix_hit_is_still_blended(checkpoint):
     engine = make_engine(checkpoint)
     chunk = passages(8, engine.vocab_size, sizes=(24,))[0]
