@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +29,7 @@ import httpx
 import openai
 
 from blend.chunking import render_chat_chunks
+from reuse_server.launcher import served
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO.parent / "shared" / "data" / "docs" / "lee_background.cor"
@@ -42,52 +41,18 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_env() -> dict:
-    # the server sets its OpenMP wait itself (reuse_server/openmp.py) unless the caller's environment does
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
 @contextmanager
 def server_process(*serve_args: str, startup_timeout: float = 600) -> Iterator[tuple[str, subprocess.Popen]]:
     """`reuse-server serve *serve_args` on a free loopback port; yields (base URL, process) once /health
-    answers, and stops the server on the way out. Its log goes to a temporary file, shown on failure."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--port", str(port), "--log-level", "warning",
-           *serve_args]
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=server_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{Path(log.name).read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not come up in {startup_timeout} s")
-            time.sleep(0.2)
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        if "Traceback" in Path(log.name).read_text():
-            print(f"server log {log.name} holds a traceback", file=sys.stderr)
-        else:
-            os.unlink(log.name)
+    answers, and stops the server on the way out. Its log goes to a temporary file, kept if it shows a
+    traceback."""
+    log = Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
+    with served(list(serve_args), log, startup_timeout, cwd=REPO) as running:
+        yield running
+    if "Traceback" in log.read_text():
+        print(f"server log {log} holds a traceback", file=sys.stderr)
+    else:
+        log.unlink()
 
 
 def served_model(url: str) -> str:

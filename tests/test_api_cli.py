@@ -122,3 +122,13 @@ def test_openmp_threads_get_a_short_spin_unless_the_user_chose():
     env = {}
     apply_short_spin(env)
     assert env == {"GOMP_SPINCOUNT": "3000"}
+
+
+def test_launcher_reports_a_server_that_cannot_start(tmp_path):
+    from reuse_server.launcher import ServerStartError, served
+
+    log = tmp_path / "server.log"
+    with pytest.raises(ServerStartError, match="exited with") as err:
+        with served(["--model", str(tmp_path / "no-such-model")], log, startup_timeout=120):
+            pass
+    assert "no-such-model" in str(err.value)  # the log's tail comes with the error

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadgen import cli
-from server_process import free_port
+from reuse_server.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,63 @@
+"""`reuse-server serve` in a subprocess on a free loopback port, for tests, benchmarks and scripts that need
+a real server: the caller gets its base URL once /health answers, and the process is stopped on the way out."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not answer /health in time; the message ends with its log's tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0,
+           cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Yields (base URL, process) of `reuse-server serve *serve_args` (port and log level chosen here);
+    its output goes to log_path."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--port", str(port), "--log-level", "warning",
+           *serve_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise ServerStartError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"server did not come up in {startup_timeout:g} s:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(log_path: Path, chars: int = 3000) -> str:
+    return Path(log_path).read_text()[-chars:]
