@@ -23,6 +23,7 @@ from blend.chunk_index import ChunkHit, ChunkIndex
 from blend.selection import combine_scores, count_for_ratio, query_attention, select_top_k
 from radix import OutOfBlocks
 
+from reuse_server.block_manager import approximate_namespace
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
 from reuse_server.sequence import Sequence
@@ -107,11 +108,11 @@ class Blender:
         ratio = seq.cache.recompute_ratio
         return self.settings.recompute_ratio if ratio is None else ratio
 
-    def setting(self, ratio: float) -> str:
-        """Everything that decides what KV a blend at `ratio` produces (the approximate namespace's key)."""
+    def approximate_key(self, seq: Sequence) -> bytes:
+        """The namespace seq's blended KV is filed under: everything that decides what KV blending produces."""
         s = self.settings
-        return (f"r={ratio:.6g};score={s.score};check={s.check_layers};factors={s.gradual_factors};"
-                f"first={s.first_tokens};query={s.query_weight:g}")
+        return approximate_namespace(f"r={self.ratio_for(seq):.6g};score={s.score};check={s.check_layers};"
+                                     f"factors={s.gradual_factors};first={s.first_tokens};query={s.query_weight:g}")
 
     def release(self, plan: BlendPlan) -> None:
         if plan.locked:

@@ -115,13 +115,12 @@ class BlockManager:
             self.cache.free(result.duplicate_block_ids)
         seq.num_inserted_blocks = full
 
-    def make_approximate(self, seq: Sequence, approximate_key: bytes) -> None:
-        """seq's KV is about to become approximate (blended with approximate_key's setting). Its leading
-        blocks belong to the exact tree; give it private copies so its whole chain can be filed under the
-        approximate namespace."""
+    def make_approximate(self, seq: Sequence) -> None:
+        """seq's KV is about to become approximate (blended). Its leading blocks belong to the exact tree;
+        give it private copies so its whole chain can be filed under the approximate namespace it was
+        admitted with."""
         if seq.approximate or not self._caches(seq):
             return
-        seq.approximate_key = approximate_key
         n = seq.num_inserted_blocks
         if n:
             try:

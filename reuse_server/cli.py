@@ -4,11 +4,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import re
 import sys
 
-from reuse_server.openmp import apply_short_spin  # noqa: E402  (torch-free)
+from reuse_server.openmp import apply_short_spin  # torch-free
 
 apply_short_spin()  # before torch is imported: see reuse_server/openmp.py
 

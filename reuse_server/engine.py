@@ -10,7 +10,7 @@ from radix import RadixCache
 
 from blend.chunk_index import ChunkIndex
 
-from reuse_server.block_manager import BlockManager, approximate_namespace
+from reuse_server.block_manager import BlockManager
 from reuse_server.blending import Blender, BlendSettings
 from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
@@ -143,11 +143,10 @@ class LLMEngine:
         for c in chunks:
             if c.seq.blend_plan is not None:
                 c.seq.reused_starts = c.seq.blend_plan.chunk_starts
-                plan = c.seq.blend_plan
-                rows[id(c.seq)] = self.blender.prefill(c.seq, plan)[0]
+                rows[id(c.seq)] = self.blender.prefill(c.seq, c.seq.blend_plan)[0]
                 c.seq.blend_plan = None
                 if c.seq.blended_tokens:  # anything not recomputed makes the KV approximate
-                    self.blocks.make_approximate(c.seq, approximate_namespace(self.blender.setting(plan.ratio)))
+                    self.blocks.make_approximate(c.seq)
         outputs = []
         for c in chunks:
             seq = c.seq

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from reuse_server.block_manager import BlockManager, approximate_namespace
+from reuse_server.block_manager import BlockManager
 from reuse_server.sequence import SeqStatus, Sequence
 
 CACHE_AWARE_QUEUE_LIMIT = 128  # beyond this, matching every waiting prompt each step costs too much: FCFS
@@ -89,8 +89,7 @@ class Scheduler:
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            approximate_key = (approximate_namespace(self.blender.setting(self.blender.ratio_for(seq)))
-                               if self.blends(seq) else None)
+            approximate_key = self.blender.approximate_key(seq) if self.blends(seq) else None
             if not self.blocks.admit(seq, budget, approximate_key):
                 break  # the pool is full: wait for blocks to come back
             if not self._plan_blend(seq):
