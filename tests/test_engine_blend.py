@@ -198,13 +198,18 @@ def test_chunk_blocks_are_evictable_like_any_cached_block(checkpoint):
     assert s.free_blocks + s.evictable_blocks == s.total_blocks
 
 
+def reversed_precomputed_prompt(engine: LLMEngine, seed: int):
+    """Three passages precomputed into the chunk index, then a prompt with them in reverse order."""
+    parts = passages(seed, engine.vocab_size)
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    return build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+
+
 def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpoint):
     engine = make_engine(checkpoint)
     exact = make_engine(checkpoint, enable_blend=False)
-    parts = passages(7, engine.vocab_size)
-    for i, p in enumerate(parts):
-        precompute(engine, p, f"pre{i}")
-    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    ids, spans = reversed_precomputed_prompt(engine, seed=7)
     blended = generate(engine, "b", ids, spans, blend=True, ratio=0.0)
     assert blended[2].blended_tokens > 0
     # a blending request repeating the same order is an exact prefix hit on the blended KV
@@ -222,10 +227,7 @@ def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpo
 
 def test_blended_kv_serves_only_requests_blending_with_the_same_ratio(checkpoint):
     engine = make_engine(checkpoint)
-    parts = passages(17, engine.vocab_size)
-    for i, p in enumerate(parts):
-        precompute(engine, p, f"pre{i}")
-    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    ids, spans = reversed_precomputed_prompt(engine, seed=17)
     full_blocks = (len(ids) - 1) // BS * BS
     naive = generate(engine, "naive", ids, spans, blend=True, ratio=0.0)[2]
     assert naive.blended_tokens > 0 and naive.recomputed_tokens == 0
@@ -240,10 +242,7 @@ def test_blended_kv_serves_only_requests_blending_with_the_same_ratio(checkpoint
 
 def test_blended_kv_is_keyed_by_the_selection_settings_too(checkpoint):
     engine = make_engine(checkpoint)
-    parts = passages(18, engine.vocab_size)
-    for i, p in enumerate(parts):
-        precompute(engine, p, f"pre{i}")
-    ids, spans = build_prompt(parts[::-1], head=[3, 4, 5, 6, 7], question=[8, 9])
+    ids, spans = reversed_precomputed_prompt(engine, seed=18)
     full_blocks = (len(ids) - 1) // BS * BS
     assert generate(engine, "kv", ids, spans, blend=True, ratio=0.5)[2].recomputed_tokens > 0
     engine.blender.settings.score = "k"  # as if the server had been started with --blend-score k
