@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
                        help="weight and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["onednn", "torch"],
+                       help="on the CPU, run linear layers through oneDNN on weights reordered once at start "
+                            "(onednn; ~2x faster decode than MKL on AMD CPUs) or through torch's F.linear")
     serve.add_argument("--block-size", type=block_size, default=defaults.block_size,
                        help="tokens per KV cache block (a power of two, 1..512)")
     serve.add_argument("--num-gpu-blocks", type=positive_int, default=None,
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
+        cpu_matmul=args.cpu_matmul, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed,

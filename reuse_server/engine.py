@@ -42,6 +42,10 @@ class LLMEngine:
         path = resolve_model(config.model)
         dtype = resolve_dtype(config.dtype, config.device)
         self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
+        if config.cpu_matmul == "onednn":
+            self.model.pack_for_cpu()
+        elif config.cpu_matmul != "torch":
+            raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose onednn or torch")
         self.tokenizer = load_tokenizer(path)
         self.model_id = config.served_model_name or _default_model_id(config.model)
         mc = self.model_config

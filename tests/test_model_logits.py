@@ -93,12 +93,16 @@ def checkpoints(tmp_path_factory, tiny_llama_path, tiny_qwen2_path):
 _loaded: dict = {}
 
 
-def models(checkpoints, name):
-    if name not in _loaded:
+def models(checkpoints, name, packed=True):
+    """Our model as the engine serves it (linear layers packed for oneDNN where it applies), or on plain
+    F.linear with packed=False; and transformers' reference."""
+    if (name, packed) not in _loaded:
         ours, config = load_model(checkpoints[name])
+        if packed:
+            ours.pack_for_cpu()
         ref = AutoModelForCausalLM.from_pretrained(checkpoints[name], attn_implementation="eager", dtype=torch.float32)
-        _loaded[name] = (ours, config, ref.eval())
-    return _loaded[name]
+        _loaded[name, packed] = (ours, config, ref.eval())
+    return _loaded[name, packed]
 
 
 def reference_logits(ref, token_ids: list[int]) -> torch.Tensor:
@@ -113,9 +117,10 @@ def new_pool(config, num_blocks=64) -> KVPool:
 ALL = ["llama", "qwen2", "llama-tied-mha", "llama3-rope", "mistral-sliding"]
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch-linear"])
 @pytest.mark.parametrize("name", ALL)
-def test_prefill_matches_transformers(checkpoints, name):
-    ours, config, ref = models(checkpoints, name)
+def test_prefill_matches_transformers(checkpoints, name, packed):
+    ours, config, ref = models(checkpoints, name, packed)
     pool = new_pool(config)
     (seq,) = make_sequences([37], pool, config.vocab_size, seed=10)
     logits = run_step(ours, pool, [(seq, list(range(37)), 37)])
@@ -220,6 +225,7 @@ def test_bf16_forward_stays_close_to_fp32(checkpoints):
     """The dtype path (bf16 weights, activations and KV pool) runs the same code; bf16 keeps ~3 digits."""
     ours32, config, _ = models(checkpoints, "qwen2")
     ours16, _ = load_model(checkpoints["qwen2"], dtype=torch.bfloat16)
+    ours16.pack_for_cpu()
     pool32 = new_pool(config)
     pool16 = KVPool(config.num_layers, 64, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.bfloat16, "cpu")
     (seq,) = make_sequences([30], pool32, config.vocab_size, seed=17)

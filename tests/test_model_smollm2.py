@@ -21,6 +21,7 @@ BLOCK_SIZE = 16
 def smollm2():
     folder = resolve_model("bundled")
     model, config = load_model(folder)
+    model.pack_for_cpu()  # as the engine serves it
     tokenizer = load_tokenizer(folder)
     return folder, model, config, tokenizer
 

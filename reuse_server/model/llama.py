@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from .cpu_linear import PackedLinear, can_pack, pack_linear_layers
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -116,6 +117,19 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.__dict__["packed_head"] = None  # see pack_for_cpu
+
+    def pack_for_cpu(self) -> int:
+        """Run the linear layers and the output head through oneDNN with pre-reordered weights (see
+        cpu_linear). After this the model is for inference only: its state dict no longer holds the linear
+        weights. Returns the number of layers packed (0 where it does not apply: GPU, fp16, no oneDNN)."""
+        if not can_pack(self.embed_tokens.weight):
+            return 0
+        packed = pack_linear_layers(self)  # an untied lm_head is an nn.Linear: packed here
+        if self.lm_head is None and self.packed_head is None:
+            self.__dict__["packed_head"] = PackedLinear(self.embed_tokens.weight)
+            packed += 1
+        return packed
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -125,8 +139,11 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden_after_norm: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 [N, vocab]. Call it only on the rows that need logits (e.g. last tokens)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_after_norm, weight).float()
+        if self.packed_head is not None:
+            return self.packed_head(hidden_after_norm).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden_after_norm).float()
+        return F.linear(hidden_after_norm, self.embed_tokens.weight).float()
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
