@@ -129,6 +129,12 @@ class LlamaModel(nn.Module):
         if self.lm_head is None and self.packed_head is None:
             self.__dict__["packed_head"] = PackedLinear(self.embed_tokens.weight)
             packed += 1
+        if packed:
+            # Weights loaded from safetensors are views of the file's memory map; while any of them is
+            # alive the whole map stays resident next to the packed copies. Copy the rest out to release it.
+            with torch.no_grad():
+                for param in self.parameters():
+                    param.data = param.data.clone()
         return packed
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
