@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        cpu_matmul=args.cpu_matmul, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, kv_cache_memory=args.kv_cache_memory,
+        cpu_matmul=args.cpu_matmul, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed,

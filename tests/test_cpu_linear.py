@@ -45,3 +45,24 @@ def test_pack_for_cpu_skips_fp16(tiny_llama_path):
     model, _ = load_model(tiny_llama_path, dtype=torch.float16)
     assert model.pack_for_cpu() == 0
     assert any(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def test_engine_cpu_matmul_setting_chooses_the_path_and_both_agree(tiny_llama_path):
+    from reuse_server.config import EngineConfig
+    from reuse_server.engine import LLMEngine
+    from reuse_server.sampling_params import SamplingParams
+
+    outputs = {}
+    for setting in ("onednn", "torch"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), num_gpu_blocks=64, cpu_matmul=setting))
+        linears = [m for m in engine.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+        assert all(isinstance(m, PackedLinear if setting == "onednn" else torch.nn.Linear) for m in linears)
+        engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0, logprobs=1))
+        tokens, logprobs = [], []
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                logprobs += [lp.logprob for lp in out.logprobs or []]
+        outputs[setting] = tokens, logprobs
+    assert outputs["onednn"][0] == outputs["torch"][0]
+    assert outputs["onednn"][1] == pytest.approx(outputs["torch"][1], abs=1e-4)
