@@ -8,9 +8,10 @@ the first chunk that carries generated content (the role-only chunk the server s
 warm_engine_s is the server's own TTFT for the warm requests (from its /metrics histogram: engine
 admission to first token), so warm_s - warm_engine_s is what HTTP, prompt rendering and the client add.
 
-    .venv/bin/python -m benchmarks.bench_ttft [--lengths 512,2048,4096] [--warm-repeats 3]
+    .venv/bin/python -m benchmarks.bench_ttft [--lengths 512,2048,4096] [--warm-repeats 3] [--servers 3]
 
-Prints one JSON line per length. The server runs in a subprocess.
+Prints one JSON line per length and server, then one summary line per length (the median ratio over the
+servers). Each server runs in a subprocess, one after another.
 """
 from __future__ import annotations
 
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--dtype", default="auto", help="the server's --dtype (auto: fp32 on the CPU)")
+    ap.add_argument("--servers", type=int, default=3,
+                    help="repeat everything on this many fresh servers, one after another (the ratio varies more "
+                         "between server processes than between requests); a summary row per length gives the median")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -158,16 +162,26 @@ def main(argv: list[str] | None = None) -> None:
     from reuse_server.model.loader import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    source = TextSource(tokenizer)
-    with server_process("--model", args.model, "--max-num-batched-tokens", "8192",
-                        "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype) as (url, _):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        model = served_model(url)
-        # one small request first, so the first timed request does not pay for lazy initialisation
-        stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), args.max_tokens)
-        for length in [int(x) for x in args.lengths.split(",")]:
-            emit(**measure(url, client, model, tokenizer, source, length, args.warm_repeats, args.max_tokens),
-                 source="lee_background.cor" if DOCS.exists() else "filler", dtype=args.dtype)
+    source = TextSource(tokenizer)  # shared by the servers: every prompt of the run is new text
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows: dict[int, list[dict]] = {length: [] for length in lengths}
+    for server in range(args.servers):
+        with server_process("--model", args.model, "--max-num-batched-tokens", "8192",
+                            "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype) as (url, _):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            model = served_model(url)
+            # one small request first, so the first timed request does not pay for lazy initialisation
+            stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), args.max_tokens)
+            for length in lengths:
+                row = measure(url, client, model, tokenizer, source, length, args.warm_repeats, args.max_tokens)
+                rows[length].append(row)
+                emit(**row, server=server, source="lee_background.cor" if DOCS.exists() else "filler",
+                     dtype=args.dtype)
+    for length, runs in rows.items():
+        emit(bench="ttft_summary", prompt_tokens=runs[0]["prompt_tokens"], servers=len(runs),
+             ratio_median=statistics.median(r["ratio"] for r in runs), ratios=[r["ratio"] for r in runs],
+             cold_s_median=statistics.median(r["cold_s"] for r in runs),
+             warm_s_median=statistics.median(r["warm_s"] for r in runs), dtype=args.dtype)
 
 
 if __name__ == "__main__":

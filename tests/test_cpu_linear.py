@@ -23,6 +23,7 @@ def test_packed_linear_equals_f_linear(rows, bias):
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU")
 def test_packed_linear_bf16():
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(64, 32, generator=gen).bfloat16()

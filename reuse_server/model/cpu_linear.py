@@ -24,7 +24,10 @@ def onednn_linear_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and onednn_linear_available()
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not onednn_linear_available():
+        return False
+    # oneDNN's bf16 matmul needs AVX-512 (BW/VL/DQ) or newer; elsewhere bf16 stays on F.linear.
+    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
