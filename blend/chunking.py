@@ -20,6 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from blend.token_cache import MIN_CACHED_CHARS, cache_for
+
 log = logging.getLogger(__name__)
 
 
@@ -36,7 +38,16 @@ class Chunk:
 def encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     """Token ids of ``text`` alone, no special tokens added (special-token TEXT in ``text``
     such as "<|im_start|>" is still recognised, as in a full rendering).
-    Works with transformers tokenizers and raw ``tokenizers.Tokenizer`` objects."""
+    Works with transformers tokenizers and raw ``tokenizers.Tokenizer`` objects.
+    Long texts seen before come from the tokenizer's token cache (blend.token_cache)."""
+    if len(text) >= MIN_CACHED_CHARS:
+        cache = cache_for(tokenizer)
+        if cache is not None:
+            return cache.get_or_encode(text, lambda t: _encode(tokenizer, t))
+    return _encode(tokenizer, text)
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     out = tokenizer.encode(text, add_special_tokens=False)
     ids = out.ids if hasattr(out, "ids") else out
     return tuple(int(t) for t in ids)
