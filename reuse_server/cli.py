@@ -219,7 +219,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
-        blend_query_weight=args.blend_query_weight, blend_min_tokens=args.blend_min_tokens, blend_separator=args.blend_separator)
+        blend_query_weight=args.blend_query_weight, blend_min_tokens=args.blend_min_tokens,
+        blend_separator=args.blend_separator)
 
 
 def blend_flags_problem(args: argparse.Namespace) -> str | None:

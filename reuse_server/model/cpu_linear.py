@@ -36,7 +36,6 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         with torch.no_grad():
             # Plain attributes, not buffers: the opaque tensor must never be moved, saved or compared.
             self.__dict__["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
