@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reuse_server.kv_pool import KVPool
-from reuse_server.model import AttentionMetadata, load_model
+from reuse_server.model import AttentionMetadata, attention, load_model
 from tiny_checkpoint import write_tiny_checkpoint
 
 REL_TOL = 1e-4
@@ -140,8 +140,12 @@ def test_decode_matches_transformers(checkpoints, name):
         assert rel_err(step_logits, expected) <= REL_TOL, f"decode step at position {p}"
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["gqa-folded", "gqa-heads"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
-def test_chunked_prefill_matches_transformers(checkpoints, name):
+def test_chunked_prefill_matches_transformers(checkpoints, name, fold, monkeypatch):
+    """Chunks of a few rows fold the query heads of a KV head into rows (attention.FOLD_MAX_ROWS); with
+    folding off they take SDPA's GQA path. Both must give transformers' logits."""
+    monkeypatch.setattr(attention, "FOLD_MAX_ROWS", attention.FOLD_MAX_ROWS if fold else 0)
     ours, config, ref = models(checkpoints, name)
     pool = new_pool(config)
     (seq,) = make_sequences([23], pool, config.vocab_size, seed=12)

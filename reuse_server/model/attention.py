@@ -59,11 +59,26 @@ class _SequenceMask:
     # each group against only the keys its last query can see (scattered blended queries or a chunk deep
     # in a long context would otherwise score every key and mask half of them away).
     groups: list[tuple[int, int, int]] | None = None
+    _folded: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def folded(self, lo: int, hi: int, keys: int, group: int) -> torch.Tensor | None:
+        """mask[lo:hi, :keys] with its rows repeated for each of `group` query heads sharing a KV head, built
+        once per step (see _attend_folded)."""
+        if self.mask is None:
+            return None
+        key = (lo, hi, keys, group)
+        if key not in self._folded:
+            self._folded[key] = self.mask[lo:hi, :keys].repeat(group, 1)
+        return self._folded[key]
 
 
 # Split masked queries into groups of at least this many rows (a smaller SDPA call costs more than it saves).
 MIN_GROUP_ROWS = 32
 MAX_GROUPS = 8
+# Up to this many query rows, the query heads sharing a KV head are folded into one head's rows
+# (_attend_folded): the fused CPU kernel then runs 3x fewer, taller blocks. 17 queries over 4,097 keys,
+# SmolLM2's 9/3 heads: 1.55 -> 1.33 ms a layer; from 2 to 128 rows never slower. One row: slightly slower.
+FOLD_MAX_ROWS = 128
 
 
 def _query_groups(q_pos: torch.Tensor, ctx: int) -> list[tuple[int, int, int]]:
@@ -133,10 +148,16 @@ def paged_attention(
         k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(kv, s))
         k, v = k.to(q.dtype).transpose(0, 1).unsqueeze(0), v.to(q.dtype).transpose(0, 1).unsqueeze(0)
         for g_lo, g_hi, keys in seq_mask.groups or [(0, hi - lo, meta.context_lens[s])]:
+            rows = q[lo + g_lo:lo + g_hi]
+            if not seq_mask.is_causal and 2 <= g_hi - g_lo <= FOLD_MAX_ROWS and q.shape[1] > k.shape[1]:
+                group = q.shape[1] // k.shape[1]
+                out[lo + g_lo:lo + g_hi] = _attend_folded(
+                    rows, k[:, :, :keys], v[:, :, :keys], seq_mask.folded(g_lo, g_hi, keys, group), scale)
+                continue
             mask = None if seq_mask.mask is None else seq_mask.mask[g_lo:g_hi, :keys]
             # [1, heads, n, hd]: the 4-D layout picks the fused CPU kernel; the 3-D one falls back to math.
             attn = F.scaled_dot_product_attention(
-                q[lo + g_lo:lo + g_hi].transpose(0, 1).unsqueeze(0),
+                rows.transpose(0, 1).unsqueeze(0),
                 k[:, :, :keys],
                 v[:, :, :keys],
                 attn_mask=mask,
@@ -146,6 +167,18 @@ def paged_attention(
             )
             out[lo + g_lo:lo + g_hi] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """q: [n, heads, hd]; k, v: [1, kv_heads, keys, hd]; mask: [group * n, keys] (rows head-in-group major).
+    GQA without repeating K/V: query head h*group + g of token t becomes row g*n + t of KV head h."""
+    n, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    folded = q.reshape(n, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, hd)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return out.view(kv_heads, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
 
 
 def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, scale: float) -> torch.Tensor:
