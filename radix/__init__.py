@@ -4,7 +4,10 @@ A prompt is cut into blocks of `block_size` tokens (a power of two, 1..512). Eve
 a hash chained from its parent, h_i = H(h_{i-1} || tokens_i || extra), where `extra` keeps apart
 otherwise equal tokens (a tenant's cache salt, a model or adapter id). H is xxh3_128 with a seed by
 default; "sha256" can be chosen where crafted collisions are feared. A partial last block is never
-hashed, cached or shared.
+hashed or matched as a chain link, but a finished request may file it as a *tail* of its last full
+block (`insert_tail`). Where a prompt leaves the cached chain inside a block, `match_partial` finds the
+tail or child block that shares the most of its leading tokens; the engine copies that block and computes
+only from the divergence on: reuse to the token, not only to the block.
 
 `RadixCache` keeps the blocks in a radix tree: a node holds a run of consecutive blocks (their
 tokens, KV block ids and chain hashes) and is filed under its first block's hash. `match` walks the
@@ -32,7 +35,7 @@ allocates, or the allocation may evict the very blocks it just matched. Not thre
 `reuse-loadgen simulate` (loadgen/simulate.py) replays a Mooncake trace through this cache to
 answer "how much cache would my traffic need?".
 """
-from radix.cache import InsertResult, MatchResult, RadixCache
+from radix.cache import InsertResult, MatchResult, PartialMatch, RadixCache
 from radix.errors import OutOfBlocks, RadixError
 from radix.hashing import HASH_ALGOS, BlockHasher, check_block_size
 from radix.node import TreeNode
@@ -52,6 +55,7 @@ __all__ = [
     "OutOfBlocks",
     "POLICIES",
     "RadixCache",
+    "PartialMatch",
     "RadixError",
     "TOKEN_DTYPE",
     "TreeNode",

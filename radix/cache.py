@@ -20,6 +20,9 @@ from radix.stats import CacheStats
 from radix.tokens import TOKEN_DTYPE, TokenInput, as_token_array
 
 FREE, CALLER, TREE = 0, 1, 2
+# Children bucket of a node's tail blocks (see insert_tail). No chain hash is empty, so no full block is
+# ever looked up under this key.
+TAIL_KEY = b""
 _STATE_NAMES = {FREE: "free", CALLER: "caller-owned", TREE: "in the tree"}
 
 
@@ -29,6 +32,14 @@ class MatchResult(NamedTuple):
     block_ids: list[int]
     num_tokens: int
     node: TreeNode
+
+
+class PartialMatch(NamedTuple):
+    """A cached block whose first `num_tokens` tokens continue a matched chain as the prompt does."""
+
+    node: TreeNode
+    block_id: int
+    num_tokens: int
 
 
 class InsertResult(NamedTuple):
@@ -171,6 +182,79 @@ class RadixCache:
         self._queue.add(child)
         return InsertResult(child, duplicates, list(new_ids))
 
+    def insert_tail(self, node: TreeNode, tokens: TokenInput, block_id: int) -> TreeNode | None:
+        """File caller-owned `block_id`, whose first slots hold the KV of `tokens` (1 to block_size - 1
+        tokens continuing `node`'s chain), as a tail of `node`.
+
+        Only full blocks are hashed and shared as chain links; a tail lets a later prompt that continues
+        the chain with some of these tokens copy their KV instead of recomputing them (`match_partial`: a
+        follow-up turn whose shared text ends inside the previous turn's last block). Tails are leaves: evictable while unlocked, in policy order.
+        Returns the tail's node, or None when a cached tail already starts with these tokens (the block
+        then stays caller-owned). Unlocked tails that the new one extends are evicted.
+        """
+        self._path(node)  # must be in this tree
+        if node is self._root:
+            raise ValueError("a tail continues a chain of at least one full block")
+        data = as_token_array(tokens).tobytes()
+        if not 0 < len(data) < self._block_bytes:
+            raise ValueError(f"a tail holds 1 to {self.block_size - 1} tokens, got {len(data) // TOKEN_DTYPE.itemsize}")
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        self._require_caller_owned(block_id, 0)
+        tails = node.children.get(TAIL_KEY, [])
+        if any(tail.tokens.startswith(data) for tail in tails):
+            return None
+        for tail in [t for t in tails if data.startswith(t.tokens) and t.lock_ref == 0]:
+            self._drop_leaf(tail)
+        self._clock += 1
+        child = TreeNode(node, data, [block_id], [TAIL_KEY], node.extra)
+        child.last_access = self._clock
+        self._queue.discard(node)  # no longer a leaf
+        node.add_child(child)
+        self._state[block_id] = TREE
+        self._num_caller -= 1
+        self._num_evictable += 1
+        self._queue.add(child)
+        return child
+
+    def match_partial(self, node: TreeNode, tokens: TokenInput, extra: bytes = b"") -> PartialMatch | None:
+        """The block right after `node`'s chain that shares the most leading tokens with `tokens` (what
+        follows the chain in the prompt, where `match` stopped): a tail of `node` or the first block of one
+        of its children. None when none shares even the first token.
+
+        Those shared tokens' KV is exactly the prompt's (same chain, same tokens, causal attention), so a
+        prompt that diverges inside a block needs to compute only from the divergence on. The caller writes
+        after the shared tokens, so it copies the block: lock the returned node until the copy is done.
+        """
+        arr = as_token_array(tokens)[: self.block_size - 1]
+        if not len(arr) or not node.children:
+            return None
+        data, item = arr.tobytes(), TOKEN_DTYPE.itemsize
+        first = data[:item]
+        extra = _as_extra(extra)
+        best, best_n = None, 0
+        for bucket in node.children.values():
+            for child in bucket:
+                if not child.tokens.startswith(first) or (node is self._root and child.extra != extra):
+                    continue
+                stored = child.tokens[: self._block_bytes]
+                if stored.startswith(data):
+                    shared = len(arr)
+                else:
+                    n = min(len(stored), len(data)) // item
+                    a = np.frombuffer(stored, TOKEN_DTYPE, count=n)
+                    differ = np.flatnonzero(a != arr[:n])
+                    shared = int(differ[0]) if differ.size else n
+                if shared > best_n:
+                    best, best_n = child, shared
+        if best is None:
+            return None
+        self._clock += 1
+        best.last_access = self._clock
+        if best in self._queue:
+            self._queue.add(best)  # its priority changed
+        return PartialMatch(best, best.block_ids[0], best_n)
+
     def lock(self, node: TreeNode) -> None:
         """Mark the path from `node` up to the root as used by one more running request."""
         path = self._path(node)
@@ -279,6 +363,23 @@ class RadixCache:
             self.on_evict(list(freed))
         return freed
 
+    def _drop_leaf(self, leaf: TreeNode) -> None:
+        """Evict one unlocked leaf now, whatever the policy order (a tail superseded by a longer one)."""
+        assert leaf.lock_ref == 0 and not leaf.children
+        self._queue.discard(leaf)
+        parent = leaf.parent
+        parent.remove_child(leaf)
+        leaf.parent = None
+        if parent is not self._root and not parent.children and parent.lock_ref == 0:
+            self._queue.add(parent)
+        for block in leaf.block_ids:
+            self._state[block] = FREE
+        self._free.extend(leaf.block_ids)
+        self._num_evictable -= len(leaf.block_ids)
+        self._evicted_blocks += len(leaf.block_ids)
+        if self.on_evict is not None:
+            self.on_evict(list(leaf.block_ids))
+
     def reset_prefix_cache(self) -> bool:
         """Evict every evictable block; True when the tree is now empty (no request held a lock)."""
         self.evict(self._num_evictable)
@@ -325,12 +426,19 @@ class RadixCache:
                     _require(child.parent is node, "child's parent pointer is wrong")
                     _require(n > 0, "node without blocks")
                     _require(child.key == key, "child filed under a key that is not its first hash")
-                    _require(len(child.tokens) == n * bb and len(child.hashes) == n, "node run lengths disagree")
                     _require(node is self._root or child.extra == node.extra, "extra differs from parent's")
-                    first = (child.tokens[:bb], child.extra)
-                    _require(first not in first_blocks, "two siblings start with the same block")
-                    first_blocks.add(first)
-                    if check_hashes:
+                    if key == TAIL_KEY:
+                        _require(node is not self._root and n == 1 and not child.children, "a tail is one leaf block")
+                        _require(0 < len(child.tokens) < bb and len(child.tokens) % TOKEN_DTYPE.itemsize == 0,
+                                 "a tail holds 1 to block_size - 1 tokens")
+                        _require(not any(o is not child and o.tokens == child.tokens for o in bucket),
+                                 "two tails of one node hold the same tokens")
+                    else:
+                        _require(len(child.tokens) == n * bb and len(child.hashes) == n, "node run lengths disagree")
+                        first = (child.tokens[:bb], child.extra)
+                        _require(first not in first_blocks, "two siblings start with the same block")
+                        first_blocks.add(first)
+                    if check_hashes and key != TAIL_KEY:
                         parent_hash = self.hasher.root_hash if node is self._root else node.hashes[-1]
                         expected = self.hasher.chain_bytes(parent_hash, child.tokens, 0, n, child.extra)
                         _require(expected == child.hashes, "stored hashes are not the chain of the stored tokens")

@@ -2,7 +2,10 @@
 
 A sequence's block table starts with blocks it matched in the tree (kept alive by locking the matched
 node), followed by blocks it owns outright. As its full blocks get computed they are published to the
-tree, which takes ownership; the sequence then locks the deeper node instead.
+tree, which takes ownership; the sequence then locks the deeper node instead. When it ends, its partial
+last block becomes a tail of that chain. A prompt that leaves the cached chain inside a block gets, at
+admission, a copy of the cached block (a tail or a child's first block) sharing the most of its tokens,
+and starts computing after the shared ones.
 """
 from __future__ import annotations
 
@@ -41,11 +44,18 @@ class BlockManager:
     def _caches(self, seq: Sequence) -> bool:
         return self.enable_prefix_cache and seq.uses_prefix_cache
 
+    def _reuses_partial_blocks(self, seq: Sequence) -> bool:
+        return self._caches(seq) and self.copy_blocks is not None
+
     def peek_cached(self, seq: Sequence) -> int:
         """Tokens of seq a match would serve now, without counting it as a query."""
         if not self._caches(seq):
             return 0
-        return self.cache.match(self._matchable(seq), seq.extra_key, record_stats=False).num_tokens
+        tokens = self._matchable(seq)
+        match = self.cache.match(tokens, seq.extra_key, record_stats=False)
+        partial = (self.cache.match_partial(match.node, tokens[match.num_tokens:], seq.extra_key)
+                   if self._reuses_partial_blocks(seq) else None)
+        return match.num_tokens + (partial.num_tokens if partial else 0)
 
     def _matchable(self, seq: Sequence) -> list[int]:
         # The last token is always computed: its logits start generation.
@@ -56,24 +66,38 @@ class BlockManager:
         the pool cannot take it now. With an approximate_key (the request accepts blending with that
         setting) the prefix may also come from an earlier sequence blended the same way."""
         assert not seq.block_table and seq.node is None
+        partial = None
         if self._caches(seq):
             tokens = self._matchable(seq)
             match = self.cache.match(tokens, seq.extra_key, record_stats=False)
+            key = seq.extra_key
             seq.approximate_key = approximate_key or b""
             if approximate_key is not None:
                 approx = self.cache.match(tokens, seq.extra_key + approximate_key, record_stats=False)
                 if approx.num_tokens > match.num_tokens:
-                    match = approx
+                    match, key = approx, seq.extra_key + approximate_key
                     seq.approximate = True
             self.cache.lock(match.node)
             seq.node = match.node
             seq.block_table = list(match.block_ids)
             seq.num_computed = match.num_tokens
             seq.num_inserted_blocks = len(match.block_ids)
+            if self._reuses_partial_blocks(seq):
+                # The prompt leaves the cached chain inside a block: copy the cached block that shares
+                # the most of its tokens and compute only from the divergence on.
+                partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], key)
+            if partial is not None:
+                self.cache.lock(partial.node)  # the allocation below must not evict it before the copy
+                seq.num_computed += partial.num_tokens
         if seq.cached_tokens is None:
             seq.cached_tokens = seq.num_computed
         chunk = min(first_chunk_tokens, seq.num_tokens - seq.num_computed)
-        if not self.ensure_capacity(seq, seq.num_computed + chunk):
+        admitted = self.ensure_capacity(seq, seq.num_computed + chunk)
+        if partial is not None:
+            if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
+                self.copy_blocks([partial.block_id], [seq.block_table[seq.num_inserted_blocks]])
+            self.cache.unlock(partial.node)
+        if not admitted:
             self.release(seq)
             return False
         return True
@@ -136,8 +160,23 @@ class BlockManager:
             seq.num_inserted_blocks = 0
         seq.approximate = True
 
+    def file_tail(self, seq: Sequence) -> None:
+        """Hand seq's partial last block (computed tokens past its published full blocks) to the tree as a
+        tail of its chain, so the next turn of a conversation does not recompute those tokens."""
+        if not self._reuses_partial_blocks(seq) or seq.unpublishable or seq.node is None:
+            return
+        full, rest = divmod(seq.num_computed, self.block_size)
+        if not rest or not full or seq.num_inserted_blocks != full or len(seq.block_table) <= full:
+            return
+        block = seq.block_table[full]
+        if block in seq.owned and self.cache.insert_tail(
+                seq.node, seq.token_ids[full * self.block_size:seq.num_computed], block) is not None:
+            seq.owned.discard(block)
+
     def release(self, seq: Sequence) -> None:
-        """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached."""
+        """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached, and
+        so does the partial last block, as a tail."""
+        self.file_tail(seq)
         if seq.owned:
             self.cache.free(sorted(seq.owned))
             seq.owned.clear()

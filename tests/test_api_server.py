@@ -161,7 +161,8 @@ def test_metrics_follow_requests(server, client):
 
     assert delta("kvreuse_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("kvreuse_prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("kvreuse_prefix_cache_hits_total") == usages[1].prompt_tokens_details.cached_tokens > 0
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert delta("kvreuse_prefix_cache_hits_total") == sum(cached) and cached[1] == usages[1].prompt_tokens - 1
     assert delta("kvreuse_generation_tokens_total") == 6
     assert delta("kvreuse_requests_total", finish_reason="length") == 2
     assert delta("kvreuse_time_to_first_token_seconds_count") == 2

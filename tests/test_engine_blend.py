@@ -145,7 +145,7 @@ def test_ratio_zero_reuses_everything_and_counts_it(checkpoint):
     assert snap["blended_tokens"] == reused and snap["in_use_blocks"] == 0
     # the blended prompt is now a normal sequence in the tree: the same order again is an exact prefix hit
     again = generate(engine, "c", ids, spans, blend=True, ratio=0.0)[2]
-    assert again.cached_tokens == (len(ids) - 1) // BS * BS and again.blended_tokens == 0
+    assert again.cached_tokens == len(ids) - 1 and again.blended_tokens == 0
 
 
 def test_ratio_selects_the_requested_share(checkpoint):
@@ -214,7 +214,7 @@ def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpo
     assert blended[2].blended_tokens > 0
     # a blending request repeating the same order is an exact prefix hit on the blended KV
     again = generate(engine, "again", ids, spans, blend=True, ratio=0.0)
-    assert again[2].cached_tokens == (len(ids) - 1) // BS * BS and again[2].blended_tokens == 0
+    assert again[2].cached_tokens == len(ids) - 1 and again[2].blended_tokens == 0
     assert again[0] == blended[0]
     plain = generate(engine, "p", ids, spans, blend=False)
     reference = generate(exact, "r", ids, spans, blend=False)
@@ -228,29 +228,29 @@ def test_blended_kv_never_serves_a_request_that_did_not_ask_for_blending(checkpo
 def test_blended_kv_serves_only_requests_blending_with_the_same_ratio(checkpoint):
     engine = make_engine(checkpoint)
     ids, spans = reversed_precomputed_prompt(engine, seed=17)
-    full_blocks = (len(ids) - 1) // BS * BS
+    reusable = len(ids) - 1  # every prompt token but the last, whose logits start generation
     naive = generate(engine, "naive", ids, spans, blend=True, ratio=0.0)[2]
     assert naive.blended_tokens > 0 and naive.recomputed_tokens == 0
     # asking for more recomputation must not be served the cheaper blend of the same prompt
     careful = generate(engine, "careful", ids, spans, blend=True, ratio=0.5)[2]
-    assert careful.recomputed_tokens > 0 and careful.cached_tokens < full_blocks + careful.blended_tokens
+    assert careful.recomputed_tokens > 0 and careful.cached_tokens < reusable + careful.blended_tokens
     for rid, ratio in (("naive-again", 0.0), ("careful-again", 0.5)):
         again = generate(engine, rid, ids, spans, blend=True, ratio=ratio)[2]
-        assert again.cached_tokens == full_blocks and again.blended_tokens == 0 and again.recomputed_tokens == 0
+        assert again.cached_tokens == reusable and again.blended_tokens == 0 and again.recomputed_tokens == 0
     assert engine.cache.stats().in_use_blocks == 0
 
 
 def test_blended_kv_is_keyed_by_the_selection_settings_too(checkpoint):
     engine = make_engine(checkpoint)
     ids, spans = reversed_precomputed_prompt(engine, seed=18)
-    full_blocks = (len(ids) - 1) // BS * BS
+    reusable = len(ids) - 1
     assert generate(engine, "kv", ids, spans, blend=True, ratio=0.5)[2].recomputed_tokens > 0
     engine.blender.settings.score = "k"  # as if the server had been started with --blend-score k
     by_k = generate(engine, "k", ids, spans, blend=True, ratio=0.5)[2]
-    assert by_k.recomputed_tokens > 0 and by_k.cached_tokens < full_blocks + by_k.blended_tokens
+    assert by_k.recomputed_tokens > 0 and by_k.cached_tokens < reusable + by_k.blended_tokens
     engine.blender.settings.score = "kv"
     again = generate(engine, "kv-again", ids, spans, blend=True, ratio=0.5)[2]
-    assert again.cached_tokens == full_blocks and again.recomputed_tokens == 0
+    assert again.cached_tokens == reusable and again.recomputed_tokens == 0
     assert engine.cache.stats().in_use_blocks == 0
 
 

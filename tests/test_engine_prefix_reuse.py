@@ -88,7 +88,7 @@ def test_cache_on_and_off_agree(checkpoint, seed):
     assert off.snapshot()["in_use_blocks"] == on.snapshot()["in_use_blocks"] == 0
 
 
-def test_second_request_reports_shared_full_blocks(checkpoint):
+def test_second_request_reports_every_shared_token(checkpoint):
     engine = make_engine(checkpoint)
     rng = random.Random(7)
     shared = [rng.randrange(3, engine.vocab_size) for _ in range(23)]  # 5 full blocks + 3 tokens
@@ -96,8 +96,33 @@ def test_second_request_reports_shared_full_blocks(checkpoint):
     second = shared + [9, 9]
     a = run_one_by_one(engine, [("a", first), ("b", second)])
     assert a["a"][2].cached_tokens == 0
-    # Only full blocks are shared: 23 shared tokens -> 5 blocks of 4 = 20 tokens.
-    assert a["b"][2].cached_tokens == 20
+    # 5 full blocks match; the sixth differs in its last token, so its first 3 tokens' KV is copied.
+    assert a["b"][2].cached_tokens == 23
+    assert engine.snapshot()["in_use_blocks"] == 0
+    plain = make_engine(checkpoint, prefix=False)
+    b = run_one_by_one(plain, [("b", second)])
+    assert a["b"][0] == b["b"][0]
+    assert_logprobs_close(a["b"][1], b["b"][1])
+
+
+def test_a_follow_up_reuses_the_previous_requests_partial_last_block(checkpoint):
+    """The previous request's computed tokens past its last full block are kept as a tail: a prompt that
+    continues them recomputes nothing it shares, to the token."""
+    engine = make_engine(checkpoint)
+    rng = random.Random(8)
+    first = [rng.randrange(3, engine.vocab_size) for _ in range(14)]
+    a = run_one_by_one(engine, [("a", first)], max_tokens=4)
+    answer = a["a"][0]
+    computed = len(first) + len(answer) - 1  # the last sampled token was never fed back
+    assert computed % BS  # the run ends inside a block (17 tokens: 4 full blocks + 1)
+    follow = first + answer + [5, 6]
+    b = run_one_by_one(engine, [("b", follow)], max_tokens=4)
+    assert b["b"][2].cached_tokens == computed
+    plain = make_engine(checkpoint, prefix=False)
+    c = run_one_by_one(plain, [("b", follow)], max_tokens=4)
+    assert b["b"][0] == c["b"][0]
+    assert_logprobs_close(b["b"][1], c["b"][1])
+    assert engine.snapshot()["in_use_blocks"] == 0
 
 
 def test_fully_cached_prompt_still_computes_its_last_token(checkpoint):
@@ -106,8 +131,8 @@ def test_fully_cached_prompt_still_computes_its_last_token(checkpoint):
     first = run_one_by_one(engine, [("a", prompt)])
     second = run_one_by_one(engine, [("b", prompt)])
     assert first["a"][0] == second["b"][0]
-    # the last block is recomputed to produce logits: 3 of 4 blocks are hits
-    assert second["b"][2].cached_tokens == 3 * BS
+    # only the last token is computed, for its logits: the fourth block's first 3 tokens are copied
+    assert second["b"][2].cached_tokens == 4 * BS - 1
 
 
 def test_chunked_prefill_gives_the_same_tokens(checkpoint):
@@ -133,7 +158,7 @@ def test_salted_requests_do_not_share(checkpoint):
             for out in engine.step():
                 if out.finished:
                     seen[rid] = out.cached_tokens
-    assert seen == {"a": 0, "b": 0, "c": 4 * BS}
+    assert seen == {"a": 0, "b": 0, "c": 5 * BS - 1}
 
 
 def test_per_request_opt_out_neither_reads_nor_writes(checkpoint):
@@ -147,4 +172,4 @@ def test_per_request_opt_out_neither_reads_nor_writes(checkpoint):
             for out in engine.step():
                 if out.finished:
                     seen[rid] = out.cached_tokens
-    assert seen == {"a": 0, "b": 0, "c": 0, "d": 4 * BS}
+    assert seen == {"a": 0, "b": 0, "c": 0, "d": 5 * BS - 1}

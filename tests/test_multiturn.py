@@ -5,10 +5,11 @@ previous turn, the answer included, not only the previous prompt.
 Which tokens of the previous turn have KV in the pool: the prompt's P tokens and every generated token but
 the last. Generation step i computes the KV of the token sampled at step i-1 and samples the next, so the
 last sampled token (an end-of-turn/EOS token, or the token that hit max_tokens) is never fed back. KV
-exists for P + C - 1 positions (C = completion tokens as reported in usage, the EOS included), and the
-radix tree keeps full blocks only, so the follow-up can hit at most
+exists for P + C - 1 positions (C = completion tokens as reported in usage, the EOS included): the full
+blocks go into the radix tree and the partial last block is kept as a tail of that chain, so the follow-up
+can hit
 
-    expected = floor((P + C - 1) / BLOCK_SIZE) * BLOCK_SIZE
+    expected = P + C - 1
 
 tokens, and it hits all of them when the follow-up's rendering re-creates the previous turn's token ids:
 the template frames the answer as "<|im_start|>assistant\\n" + content + "<|im_end|>\\n", the framing is
@@ -39,9 +40,9 @@ FIRST_QUESTIONS = [
 FOLLOW_UP = "Thanks. Now summarize that in five words."
 
 
-def full_blocks_with_kv(prompt_tokens: int, completion_tokens: int) -> int:
-    """Tokens of the previous turn in full, computed blocks (the last sampled token has no KV)."""
-    return (prompt_tokens + completion_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+def tokens_with_kv(prompt_tokens: int, completion_tokens: int) -> int:
+    """Tokens of the previous turn whose KV was computed (the last sampled token has none)."""
+    return prompt_tokens + completion_tokens - 1
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_follow_up_hits_through_the_previous_answer(client, model_path):
     failures, rows = [], []
     for messages, first, answer, follow_messages, follow in results:
         p, c = first.usage.prompt_tokens, first.usage.completion_tokens
-        expected = full_blocks_with_kv(p, c)
+        expected = tokens_with_kv(p, c)
         got = follow.usage.prompt_tokens_details.cached_tokens
         reason = first.choices[0].finish_reason
         rows.append(f"{reason:6s} P={p} C={c} expected>={expected} cached={got} of {follow.usage.prompt_tokens}")

@@ -244,3 +244,86 @@ def test_bad_arguments_are_clear_errors():
         cache.match(blocks(1), extra="salt")
     with pytest.raises(ValueError, match="same block id twice"):
         cache.free([0, 0])
+
+
+def file_tail(cache, node, tokens):
+    (block,) = cache.allocate(1)
+    return cache.insert_tail(node, tokens, block), block
+
+
+def test_a_tail_or_a_child_block_serves_the_tokens_a_prompt_shares_with_it():
+    cache = RadixCache(16, block_size=BS)
+    node, ids = cache_prompt(cache, blocks(1, 2))
+    tail, tail_block = file_tail(cache, node, [5, 6, 7])
+    assert tail is not None
+    cache.check_invariants()
+    for rest, shared in [([5, 6, 7, 8], 3), ([5, 6, 9], 2), ([5], 1), ([5, 6, 7] + blocks(4), 3)]:
+        m = cache.match(blocks(1, 2) + rest)
+        assert m.num_tokens == 2 * BS
+        t = cache.match_partial(m.node, (blocks(1, 2) + rest)[m.num_tokens:])
+        assert (t.block_id, t.num_tokens, t.node) == (tail_block, shared, tail)
+    assert cache.match_partial(node, [6, 5]) is None  # the first token differs
+    assert cache.match_partial(node, []) is None
+    # Where the prompt leaves the chain inside a full block, that block serves its shared tokens too.
+    m = cache.match(blocks(1) + [2, 2, 9])
+    p = cache.match_partial(m.node, (blocks(1) + [2, 2, 9])[m.num_tokens:])
+    assert (p.block_id, p.num_tokens) == (ids[1], 2)
+    assert cache.match_partial(m.node, [3]) is None
+    # At the root, only blocks cached under the same extra (salt) count.
+    assert cache.match_partial(cache.root, [1, 1])[2] == 2
+    assert cache.match_partial(cache.root, [1, 1], b"tenant-b") is None
+
+
+def test_tails_that_a_longer_one_extends_are_dropped_and_covered_ones_rejected():
+    cache = RadixCache(16, block_size=BS)
+    node, _ = cache_prompt(cache, blocks(1))
+    short, short_block = file_tail(cache, node, [5])
+    other, _ = file_tail(cache, node, [6, 6])
+    locked_short, _ = file_tail(cache, node, [7])
+    cache.lock(locked_short)
+    longer, longer_block = file_tail(cache, node, [5, 6, 7])
+    assert longer is not None and not short.attached and cache.stats().free_blocks >= 1
+    assert other.attached  # not a start of the new tail: kept
+    covered, covered_block = file_tail(cache, node, [5, 6])
+    assert covered is None  # [5, 6, 7] already serves it; the block stays the caller's
+    cache.free([covered_block])
+    kept_locked, _ = file_tail(cache, node, [7, 1])
+    assert locked_short.attached and kept_locked is not None  # a locked tail is never dropped
+    cache.check_invariants()
+    t = cache.match_partial(node, [5, 6, 7, 1])
+    assert (t.block_id, t.num_tokens) == (longer_block, 3)
+
+
+def test_tails_are_evicted_before_their_chain_and_never_while_locked():
+    cache = RadixCache(3, block_size=BS)
+    node, (chain_block,) = cache_prompt(cache, blocks(1))
+    tail, tail_block = file_tail(cache, node, [5, 6])
+    cache.unlock(node)
+    s = cache.stats()
+    assert (s.evictable_blocks, s.in_use_blocks) == (2, 0)
+    assert cache.evict(1) == [tail_block]  # the chain is not a leaf while its tail is there
+    assert not tail.attached
+    _, _ = cache_prompt(cache, blocks(1))  # lock the chain again
+    tail, tail_block = file_tail(cache, node, [5, 6])
+    cache.lock(tail)
+    cache.unlock(node)  # the tail's lock still holds the whole path
+    with pytest.raises(OutOfBlocks):
+        cache.allocate(2)
+    assert tail.attached and cache.match(blocks(1)).block_ids == [chain_block]
+    cache.unlock(tail)
+    cache.check_invariants()
+
+
+def test_bad_tails_are_clear_errors():
+    cache = RadixCache(8, block_size=BS)
+    node, ids = cache_prompt(cache, blocks(1))
+    (block,) = cache.allocate(1)
+    with pytest.raises(ValueError, match="1 to 3 tokens"):
+        cache.insert_tail(node, [5, 6, 7, 8], block)
+    with pytest.raises(ValueError, match="1 to 3 tokens"):
+        cache.insert_tail(node, [], block)
+    with pytest.raises(ValueError, match="at least one full block"):
+        cache.insert_tail(cache.root, [5], block)
+    with pytest.raises(ValueError, match="not caller-owned"):
+        cache.insert_tail(node, [5], ids[0])
+    cache.check_invariants()

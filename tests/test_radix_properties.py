@@ -1,4 +1,4 @@
-"""Property tests: random interleavings of match / insert / lock / unlock / allocate / free / evict.
+"""Property tests: random interleavings of match / insert / tails / lock / unlock / allocate / free / evict.
 
 After every step the cache's own invariant check must pass (free + evictable + in use == total, no
 block in two states, counters and eviction queue agree with the tree), locked blocks must never have
@@ -41,6 +41,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.holds = {}  # tree block id -> (extra, tokens of the whole prefix through that block)
         self.locks = []  # (node, block ids on its path) per outstanding lock
         self.owned = []  # caller-owned block ids
+        self.filed = []  # (prompt, extra) of requests that filed a tail
+        self.partial_hits = 0
 
     def on_evict(self, block_ids):
         locked = {b for _, ids in self.locks for b in ids}
@@ -104,6 +106,69 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for i, block in enumerate(r.inserted_block_ids, cached):
             self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
         self.owned += r.duplicate_block_ids
+
+    @rule(prompt=prompts, extra=extras, lock_tail=st.booleans(), chain_locked=st.booleans())
+    def finish_request(self, prompt, extra, lock_tail, chain_locked):
+        """The engine's path when a request ends: its full blocks go into the tree, its partial last block
+        becomes a tail of that chain."""
+        full = len(prompt) // BS
+        m = self.cache.match(prompt, extra, record_stats=False)
+        self.check_match(m, prompt, extra)
+        self.cache.lock(m.node)
+        partial = len(prompt) > full * BS
+        need = full - len(m.block_ids) + partial
+        try:
+            new = self.cache.allocate(need)
+        except OutOfBlocks:
+            assert need > self.cache.num_allocatable()
+            self.cache.unlock(m.node)
+            return
+        blocks = m.block_ids + new
+        r = self.cache.insert(prompt, blocks[:full], extra)
+        for i, block in enumerate(r.inserted_block_ids, len(m.block_ids)):
+            self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
+        self.cache.lock(r.node)
+        self.cache.unlock(m.node)
+        if not chain_locked:  # the chain may be an evictable leaf when the tail arrives
+            self.cache.unlock(r.node)
+        if partial and full:
+            key, block = (extra, tuple(prompt)), blocks[full]
+            known = key in self.holds.values()  # BS 2: a tail is one token, so "starts with" means "equals"
+            tail = self.cache.insert_tail(r.node, prompt[full * BS:], block)
+            assert (tail is None) == known
+            if tail is None:
+                self.cache.free([block])
+            else:
+                self.holds[block] = key
+                self.filed.append((prompt, extra))
+                if lock_tail:
+                    self.cache.lock(tail)
+                    self.locks.append((tail, blocks))
+        elif partial:
+            self.cache.free([blocks[full]])
+        if chain_locked:
+            self.cache.unlock(r.node)
+
+    @precondition(lambda self: self.filed)
+    @rule(data=st.data(), change_last=st.booleans())
+    def match_partial(self, data, change_last):
+        """Where a prompt leaves the cached chain, the block after it (a tail or a child's first block) that
+        shares its next token is found; with BS 2 a partial match is exactly one token."""
+        prompt, extra = data.draw(st.sampled_from(self.filed))
+        if change_last:
+            prompt = prompt[:-1] + [1 - prompt[-1]]
+        prompt = prompt + data.draw(st.lists(st.integers(0, 1), max_size=BS))
+        m = self.cache.match(prompt, extra, record_stats=False)
+        self.check_match(m, prompt, extra)
+        n = m.num_tokens
+        p = self.cache.match_partial(m.node, prompt[n:], extra)
+        want = tuple(prompt[: n + 1])
+        servable = [b for b, (e, t) in self.holds.items() if e == extra and len(t) in (n + 1, n + BS) and t[: n + 1] == want]
+        if len(prompt) > n and servable:
+            assert p is not None and p.num_tokens == 1 and p.block_id in servable
+            self.partial_hits += 1
+        else:
+            assert p is None
 
     @rule(n=st.integers(0, NUM_BLOCKS + 2))
     def allocate(self, n):
