@@ -189,8 +189,8 @@ class RadixCache:
         Only full blocks are hashed and shared as chain links; a tail lets a later prompt that continues
         the chain with some of these tokens copy their KV instead of recomputing them (`match_partial`: a
         follow-up turn whose shared text ends inside the previous turn's last block). Tails are leaves: evictable while unlocked, in policy order.
-        Returns the tail's node, or None when a cached tail already starts with these tokens (the block
-        then stays caller-owned). Unlocked tails that the new one extends are evicted.
+        Returns the tail's node, or None when a cached tail or child block already starts with these tokens
+        (the block then stays caller-owned). Unlocked tails that the new one extends are evicted.
         """
         self._path(node)  # must be in this tree
         if node is self._root:
@@ -201,10 +201,10 @@ class RadixCache:
         if not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
         self._require_caller_owned(block_id, 0)
-        tails = node.children.get(TAIL_KEY, [])
-        if any(tail.tokens.startswith(data) for tail in tails):
-            return None
-        for tail in [t for t in tails if data.startswith(t.tokens) and t.lock_ref == 0]:
+        same_start = node.by_first_token.get(data[:TOKEN_DTYPE.itemsize], [])
+        if any(child.tokens.startswith(data) for child in same_start):
+            return None  # a tail or a full child block already holds these tokens' KV
+        for tail in [t for t in same_start if t.key == TAIL_KEY and data.startswith(t.tokens) and t.lock_ref == 0]:
             self._drop_leaf(tail)
         self._clock += 1
         child = TreeNode(node, data, [block_id], [TAIL_KEY], node.extra)
@@ -227,26 +227,24 @@ class RadixCache:
         after the shared tokens, so it copies the block: lock the returned node until the copy is done.
         """
         arr = as_token_array(tokens)[: self.block_size - 1]
-        if not len(arr) or not node.children:
+        if not len(arr):
             return None
         data, item = arr.tobytes(), TOKEN_DTYPE.itemsize
-        first = data[:item]
         extra = _as_extra(extra)
         best, best_n = None, 0
-        for bucket in node.children.values():
-            for child in bucket:
-                if not child.tokens.startswith(first) or (node is self._root and child.extra != extra):
-                    continue
-                stored = child.tokens[: self._block_bytes]
-                if stored.startswith(data):
-                    shared = len(arr)
-                else:
-                    n = min(len(stored), len(data)) // item
-                    a = np.frombuffer(stored, TOKEN_DTYPE, count=n)
-                    differ = np.flatnonzero(a != arr[:n])
-                    shared = int(differ[0]) if differ.size else n
-                if shared > best_n:
-                    best, best_n = child, shared
+        for child in node.by_first_token.get(data[:item], ()):
+            if node is self._root and child.extra != extra:
+                continue
+            stored = child.tokens[: self._block_bytes]
+            if stored.startswith(data):
+                shared = len(arr)
+            else:
+                n = min(len(stored), len(data)) // item
+                a = np.frombuffer(stored, TOKEN_DTYPE, count=n)
+                differ = np.flatnonzero(a != arr[:n])
+                shared = int(differ[0]) if differ.size else n
+            if shared > best_n:
+                best, best_n = child, shared
         if best is None:
             return None
         self._clock += 1
@@ -454,6 +452,9 @@ class RadixCache:
                         locked += n
                     child_locks += child.lock_ref
                     stack.append(child)
+            by_first = sorted((id(c), k) for k, b in node.by_first_token.items() for c in b)
+            _require(by_first == sorted((id(c), c.first_token) for b in node.children.values() for c in b),
+                     "by_first_token does not file exactly the children under their first token")
             if node is not self._root:
                 _require(node.lock_ref >= child_locks, "a node's lock_ref is below its children's sum")
         caller = [b for b in range(total) if self._state[b] == CALLER]

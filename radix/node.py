@@ -1,6 +1,10 @@
 """A radix-tree node: a run of consecutive KV blocks along one prompt chain."""
 from __future__ import annotations
 
+from radix.tokens import TOKEN_DTYPE
+
+TOKEN_BYTES = TOKEN_DTYPE.itemsize
+
 
 class TreeNode:
     """One edge of the tree, holding a run of `num_blocks` full blocks.
@@ -13,13 +17,14 @@ class TreeNode:
     """
 
     __slots__ = (
-        "parent", "children", "tokens", "block_ids", "hashes", "extra",
+        "parent", "children", "by_first_token", "tokens", "block_ids", "hashes", "extra",
         "lock_ref", "last_access", "hit_count", "heap_version",
     )
 
     def __init__(self, parent: "TreeNode | None", tokens: bytes, block_ids: list[int], hashes: list[bytes], extra: bytes):
         self.parent = parent
         self.children: dict[bytes, list[TreeNode]] = {}
+        self.by_first_token: dict[bytes, list[TreeNode]] = {}
         self.tokens = tokens
         self.block_ids = block_ids
         self.hashes = hashes
@@ -46,23 +51,25 @@ class TreeNode:
         """False once the node has been evicted (detached from the tree)."""
         return self.parent is not None
 
+    @property
+    def first_token(self) -> bytes:
+        return self.tokens[:TOKEN_BYTES]
+
     def add_child(self, child: "TreeNode") -> None:
-        bucket = self.children.get(child.key)
-        if bucket is None:
-            self.children[child.key] = [child]
-        else:
-            bucket.append(child)
+        self.children.setdefault(child.key, []).append(child)
+        self.by_first_token.setdefault(child.first_token, []).append(child)
 
     def remove_child(self, child: "TreeNode") -> None:
-        bucket = self.children[child.key]
-        bucket.remove(child)
-        if not bucket:
-            del self.children[child.key]
+        for index, key in ((self.children, child.key), (self.by_first_token, child.first_token)):
+            bucket = index[key]
+            bucket.remove(child)
+            if not bucket:
+                del index[key]
 
     def replace_child(self, old: "TreeNode", new: "TreeNode") -> None:
-        """Put `new` where `old` was; both must have the same key."""
-        bucket = self.children[old.key]
-        bucket[bucket.index(old)] = new
+        """Put `new` where `old` was; both must start with the same block."""
+        for bucket in (self.children[old.key], self.by_first_token[old.first_token]):
+            bucket[bucket.index(old)] = new
 
     def split(self, num_blocks: int, block_bytes: int) -> "TreeNode":
         """Cut this node after its first `num_blocks` blocks; return the new upper node.
@@ -80,6 +87,7 @@ class TreeNode:
         self.hashes = self.hashes[num_blocks:]
         self.parent = top
         top.children[self.key] = [self]
+        top.by_first_token[self.first_token] = [self]
         return top
 
     def truncate(self, num_blocks: int, block_bytes: int) -> list[int]:

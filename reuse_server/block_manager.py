@@ -51,11 +51,8 @@ class BlockManager:
         """Tokens of seq a match would serve now, without counting it as a query."""
         if not self._caches(seq):
             return 0
-        tokens = self._matchable(seq)
-        match = self.cache.match(tokens, seq.extra_key, record_stats=False)
-        partial = (self.cache.match_partial(match.node, tokens[match.num_tokens:], seq.extra_key)
-                   if self._reuses_partial_blocks(seq) else None)
-        return match.num_tokens + (partial.num_tokens if partial else 0)
+        # Full blocks only: this orders the queue, where a partial block's few tokens change nothing.
+        return self.cache.match(self._matchable(seq), seq.extra_key, record_stats=False).num_tokens
 
     def _matchable(self, seq: Sequence) -> list[int]:
         # The last token is always computed: its logits start generation.

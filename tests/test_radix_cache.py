@@ -287,6 +287,10 @@ def test_tails_that_a_longer_one_extends_are_dropped_and_covered_ones_rejected()
     covered, covered_block = file_tail(cache, node, [5, 6])
     assert covered is None  # [5, 6, 7] already serves it; the block stays the caller's
     cache.free([covered_block])
+    deeper, _ = cache_prompt(cache, blocks(1, 2))
+    served, served_block = file_tail(cache, node, [2, 2])
+    assert served is None  # the child block [2, 2, 2, 2] already holds these tokens' KV
+    cache.free([served_block])
     kept_locked, _ = file_tail(cache, node, [7, 1])
     assert locked_short.attached and kept_locked is not None  # a locked tail is never dropped
     cache.check_invariants()

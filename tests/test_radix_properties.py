@@ -133,7 +133,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             self.cache.unlock(r.node)
         if partial and full:
             key, block = (extra, tuple(prompt)), blocks[full]
-            known = key in self.holds.values()  # BS 2: a tail is one token, so "starts with" means "equals"
+            # Already served: the same tail (BS 2: a tail is one token), or a full block that starts with it.
+            known = any(e == extra and t[: len(prompt)] == key[1] and len(t) in (len(prompt), (full + 1) * BS)
+                        for e, t in self.holds.values())
             tail = self.cache.insert_tail(r.node, prompt[full * BS:], block)
             assert (tail is None) == known
             if tail is None:
