@@ -1,6 +1,7 @@
 """Blending over HTTP: the real server (tiny random checkpoint, `--blend`) driven by the openai client and httpx.
 Documents precomputed with POST /v1/cache/chunks are blended into chat and separator-split completion prompts
 wherever they appear; usage and /metrics report what was reused; bad input is a 400 that holds no KV block."""
+import itertools
 import uuid
 
 import httpx
@@ -47,13 +48,18 @@ def tokenizer(checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint)
 
 
+_TAG_LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+_tag_count = itertools.count()
+
+
 def passages() -> list[str]:
-    """Three documents no other request has sent. Each starts with its own tag: documents that share their
-    first tokens would partly match each other in the chunk index (and in the prefix cache)."""
+    """Three documents no other request has sent. Each starts with its own tag, whose first letter differs
+    from every other document's of the last few calls: documents that share even their first token would
+    partly match each other in the chunk index and, since reuse is to the token, in the prefix cache."""
     texts = ["A paged KV cache stores keys and values in fixed-size blocks.\n",
              "Retrieval augmented generation puts documents into the prompt.\n",
              "The capital of France is Paris; the quick brown fox is lazy.\n"]
-    return [f"{uuid.uuid4().hex[:8]}: {text}" for text in texts]
+    return [f"{_TAG_LETTERS[next(_tag_count) % len(_TAG_LETTERS)]}{uuid.uuid4().hex[:8]}: {text}" for text in texts]
 
 
 def precompute(server: str, chunks: list[str], **extra) -> dict:
