@@ -101,6 +101,15 @@ class KVPool:
             return None
         return int(blocks[0])
 
+    def leading_run(self, block_table: torch.Tensor, length: int) -> tuple[int, int]:
+        """(first block id, count) of the consecutive ids that begin the blocks holding positions 0..length-1."""
+        num = -(-length // self.block_size)
+        blocks = block_table[:num]
+        if num == 0:
+            return 0, 0
+        breaks = torch.nonzero(blocks[1:] - blocks[:-1] != 1)
+        return int(blocks[0]), (int(breaks[0]) + 1 if breaks.numel() else num)
+
     def read_slots(self, layer: int, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V stored at the given slots: [T, kv_heads, head_dim] each (copies)."""
         k_flat, v_flat = self._flat(layer)

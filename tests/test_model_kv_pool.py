@@ -81,3 +81,8 @@ def test_consecutive_blocks_are_read_in_place():
     assert gk.data_ptr() == pool.k[1][2].data_ptr()  # a view of the pool, not a copy
     copied, _ = pool.gather(1, table, 11)
     assert torch.equal(copied, gk)
+    # the consecutive run a table starts with, for attending a warm request's prefix in place
+    assert pool.leading_run(table, 14) == (2, 3)
+    assert pool.leading_run(table, 5) == (2, 2)  # only the blocks holding positions 0..4 count
+    assert pool.leading_run(torch.tensor([5, 2, 3]), 12) == (5, 1)
+    assert pool.leading_run(table, 0) == (0, 0)

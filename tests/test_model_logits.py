@@ -287,3 +287,26 @@ def test_long_chunk_and_scattered_queries_attend_in_groups(checkpoints, name, co
             hidden = layer(hidden, positions, meta, pool, i)
         logits = ours.compute_logits(ours.final_norm(hidden))
     assert rel_err(logits, expected[subset]) <= REL_TOL
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["prefix-in-place", "gathered"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_warm_queries_over_a_consecutive_prefix_match_transformers(checkpoints, name, split, monkeypatch):
+    """A warm request's shape: a long prefix in consecutive blocks, the last blocks elsewhere, a few new
+    queries after the prefix. With SPLIT_CACHED_PREFIX the prefix is attended in place and the rest gathered,
+    merged by log-sum-exp; without, everything is gathered. Both give transformers' logits."""
+    monkeypatch.setattr(attention, "SPLIT_CACHED_PREFIX", split)
+    ours, config, ref = models(checkpoints, name)
+    pool = new_pool(config)
+    n, run = 75, 15  # 15 consecutive blocks (60 tokens), then 4 blocks elsewhere
+    gen = torch.Generator().manual_seed(19)
+    blocks = list(range(3, 3 + run)) + [40, 31, 45, 22]
+    seq = Sequence(torch.randint(3, config.vocab_size, (n,), generator=gen).tolist(), blocks)
+    expected = reference_logits(ref, seq.token_ids)
+    run_step(ours, pool, [(seq, list(range(62)), 62)])
+    used = []
+    real = attention._attend_split
+    monkeypatch.setattr(attention, "_attend_split", lambda *a: used.append(1) or real(*a))
+    warm = run_step(ours, pool, [(seq, list(range(62, n)), n)])  # 13 queries at positions 62..74
+    assert rel_err(warm, expected[62:]) <= REL_TOL
+    assert bool(used) == split

@@ -23,6 +23,7 @@ class AttentionMetadata:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
     _consecutive: list | None = field(default=None, repr=False, compare=False)
+    _leading_runs: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -43,6 +44,12 @@ class AttentionMetadata:
             self._consecutive = [kv.consecutive_start(t, n) for t, n in zip(self.block_tables, self.context_lens)]
         return self._consecutive[s]
 
+    def leading_run(self, kv, s: int) -> tuple[int, int]:
+        """(first block id, number of blocks) of the consecutive block ids that start sequence s's table."""
+        if self._leading_runs is None:
+            self._leading_runs = [kv.leading_run(t, n) for t, n in zip(self.block_tables, self.context_lens)]
+        return self._leading_runs[s]
+
     def sequence_masks(
         self, positions: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
     ) -> list["_SequenceMask"]:
@@ -59,16 +66,18 @@ class _SequenceMask:
     # each group against only the keys its last query can see (scattered blended queries or a chunk deep
     # in a long context would otherwise score every key and mask half of them away).
     groups: list[tuple[int, int, int]] | None = None
+    first_query: int = 0  # the lowest query position
+    windowed: bool = False
     _folded: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def folded(self, lo: int, hi: int, keys: int, group: int) -> torch.Tensor | None:
-        """mask[lo:hi, :keys] with its rows repeated for each of `group` query heads sharing a KV head, built
-        once per step (see _attend_folded)."""
+    def folded(self, lo: int, hi: int, keys: int, group: int, first_key: int = 0) -> torch.Tensor | None:
+        """mask[lo:hi, first_key:keys] with its rows repeated for each of `group` query heads sharing a KV
+        head, built once per step (see _attend_folded)."""
         if self.mask is None:
             return None
-        key = (lo, hi, keys, group)
+        key = (lo, hi, keys, group, first_key)
         if key not in self._folded:
-            self._folded[key] = self.mask[lo:hi, :keys].repeat(group, 1)
+            self._folded[key] = self.mask[lo:hi, first_key:keys].repeat(group, 1)
         return self._folded[key]
 
 
@@ -79,6 +88,11 @@ MAX_GROUPS = 8
 # (_attend_folded): the fused CPU kernel then runs 3x fewer, taller blocks. 17 queries over 4,097 keys,
 # SmolLM2's 9/3 heads: 1.55 -> 1.33 ms a layer; from 2 to 128 rows never slower. One row: slightly slower.
 FOLD_MAX_ROWS = 128
+# A few queries after a long cached prefix whose blocks are consecutive ids except the last few (the usual
+# shape of a warm request: the matched blocks came out of the pool in order, the new ones did not) attend the
+# prefix in place and only the rest through a gather, merged by log-sum-exp (_attend_split): no multi-MiB copy
+# of the prefix per layer. CPU only (the kernel that returns the log-sum-exp is the CPU flash kernel).
+SPLIT_CACHED_PREFIX = True
 
 
 def _query_groups(q_pos: torch.Tensor, ctx: int) -> list[tuple[int, int, int]]:
@@ -114,7 +128,7 @@ def _build_masks(
         if not windowed and hi - lo == ctx and torch.equal(q_pos, torch.arange(ctx)):
             out.append(_SequenceMask(True, None))
         elif not windowed and int(q_pos.min()) == ctx - 1:
-            out.append(_SequenceMask(False, None))  # every query sees the whole context
+            out.append(_SequenceMask(False, None, None, ctx - 1))  # every query sees the whole context
         else:
             q_dev = positions[lo:hi]
             k_pos = torch.arange(ctx, device=positions.device)
@@ -124,7 +138,7 @@ def _build_masks(
             # Additive, built once: SDPA would otherwise turn a bool mask into this in every layer.
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             groups = [(0, hi - lo, ctx)] if windowed else _query_groups(q_pos, ctx)
-            out.append(_SequenceMask(False, additive, groups))
+            out.append(_SequenceMask(False, additive, groups, int(q_pos.min()), windowed))
     return out
 
 
@@ -144,6 +158,10 @@ def paged_attention(
     for s, seq_mask in enumerate(masks):
         lo, hi = meta.query_start[s], meta.query_start[s + 1]
         if hi == lo:
+            continue
+        run = _in_place_run(q, meta, kv, s, seq_mask, hi - lo)
+        if run is not None:
+            out[lo:hi] = _attend_split(q[lo:hi], meta, kv, layer_idx, s, seq_mask, run, scale)
             continue
         k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(kv, s))
         k, v = k.to(q.dtype).transpose(0, 1).unsqueeze(0), v.to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -167,6 +185,43 @@ def paged_attention(
             )
             out[lo + g_lo:lo + g_hi] = attn.squeeze(0).transpose(0, 1)
     return out
+
+
+def _in_place_run(q, meta: AttentionMetadata, kv, s: int, seq_mask: _SequenceMask, rows: int):
+    """(first block, blocks) of sequence s's prefix to attend in place (see SPLIT_CACHED_PREFIX), or None."""
+    if (not SPLIT_CACHED_PREFIX or q.device.type != "cpu" or seq_mask.is_causal or seq_mask.windowed
+            or not 2 <= rows <= FOLD_MAX_ROWS or q.shape[1] == kv.num_kv_heads or q.dtype != kv.dtype
+            or meta.consecutive_start(kv, s) is not None):
+        return None
+    first, blocks = meta.leading_run(kv, s)
+    prefix = blocks * kv.block_size
+    # every query must see the whole prefix and at least one key after it (its own)
+    if prefix * 2 < meta.context_lens[s] or seq_mask.first_query < prefix:
+        return None
+    return first, blocks
+
+
+def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: int, seq_mask: _SequenceMask,
+                  run: tuple[int, int], scale: float) -> torch.Tensor:
+    """Attention of q ([n, heads, hd]) over sequence s: its leading run of consecutive blocks read in place
+    (no mask: every query sees all of it), the remaining keys gathered and masked, the two partial results
+    merged by their log-sum-exp."""
+    first, blocks = run
+    n, heads, hd = q.shape
+    kv_heads, prefix, ctx = kv.num_kv_heads, blocks * kv.block_size, meta.context_lens[s]
+    group = heads // kv_heads
+    folded = q.reshape(n, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, hd)
+    k_run = kv.k[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
+    v_run = kv.v[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
+    k_rest, v_rest = kv.gather(layer, meta.block_tables[s][blocks:], ctx - prefix)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_run, lse_run = flash(folded, k_run, v_run, scale=scale)[:2]
+    o_rest, lse_rest = flash(folded, k_rest.transpose(0, 1).unsqueeze(0), v_rest.transpose(0, 1).unsqueeze(0),
+                             attn_mask=seq_mask.folded(0, n, ctx, group, prefix), scale=scale)[:2]
+    top = torch.maximum(lse_run, lse_rest)
+    w_run, w_rest = (lse_run - top).exp_().unsqueeze(-1), (lse_rest - top).exp_().unsqueeze(-1)
+    merged = (o_run * w_run + o_rest * w_rest) / (w_run + w_rest)
+    return merged.view(kv_heads, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
 
 
 def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
