@@ -69,29 +69,38 @@ class RadixCacheMachine(RuleBasedStateMachine):
             self.cache.lock(m.node)
             self.locks.append((m.node, list(m.block_ids)))
 
-    @rule(prompt=prompts, extra=extras, keep_locked=st.booleans())
-    def run_request(self, prompt, extra, keep_locked):
-        """The engine's path: match, lock, allocate the rest, insert, keep or release the lock."""
+    def serve(self, prompt, extra, spare=0):
+        """The engine's path: match, lock, allocate the missing full blocks (and `spare` more), insert the
+        full ones, lock the new chain instead of the match. None (nothing held) when the pool is full."""
         m = self.cache.match(prompt, extra, record_stats=False)
         self.check_match(m, prompt, extra)
         self.cache.lock(m.node)
-        need = len(prompt) // BS - len(m.block_ids)
+        need = len(prompt) // BS - len(m.block_ids) + spare
         try:
             new = self.cache.allocate(need)
         except OutOfBlocks:
             assert need > self.cache.num_allocatable()
             self.cache.unlock(m.node)
-            return
-        r = self.cache.insert(prompt, m.block_ids + new, extra)
-        assert r.duplicate_block_ids == [] and r.inserted_block_ids == new
-        for i, block in enumerate(new, len(m.block_ids)):
+            return None
+        inserted = new[: len(new) - spare]
+        r = self.cache.insert(prompt, m.block_ids + inserted, extra)
+        assert r.duplicate_block_ids == [] and r.inserted_block_ids == inserted
+        for i, block in enumerate(inserted, len(m.block_ids)):
             self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
         self.cache.lock(r.node)
         self.cache.unlock(m.node)
+        return m.block_ids + new, r.node
+
+    @rule(prompt=prompts, extra=extras, keep_locked=st.booleans())
+    def run_request(self, prompt, extra, keep_locked):
+        served = self.serve(prompt, extra)
+        if served is None:
+            return
+        blocks, node = served
         if keep_locked:
-            self.locks.append((r.node, m.block_ids + new))
+            self.locks.append((node, blocks))
         else:
-            self.cache.unlock(r.node)
+            self.cache.unlock(node)
 
     @rule(prompt=prompts, extra=extras)
     def insert_own_blocks(self, prompt, extra):
@@ -112,31 +121,19 @@ class RadixCacheMachine(RuleBasedStateMachine):
         """The engine's path when a request ends: its full blocks go into the tree, its partial last block
         becomes a tail of that chain."""
         full = len(prompt) // BS
-        m = self.cache.match(prompt, extra, record_stats=False)
-        self.check_match(m, prompt, extra)
-        self.cache.lock(m.node)
         partial = len(prompt) > full * BS
-        need = full - len(m.block_ids) + partial
-        try:
-            new = self.cache.allocate(need)
-        except OutOfBlocks:
-            assert need > self.cache.num_allocatable()
-            self.cache.unlock(m.node)
+        served = self.serve(prompt, extra, spare=int(partial))
+        if served is None:
             return
-        blocks = m.block_ids + new
-        r = self.cache.insert(prompt, blocks[:full], extra)
-        for i, block in enumerate(r.inserted_block_ids, len(m.block_ids)):
-            self.holds[block] = (extra, tuple(prompt[: (i + 1) * BS]))
-        self.cache.lock(r.node)
-        self.cache.unlock(m.node)
+        blocks, chain = served
         if not chain_locked:  # the chain may be an evictable leaf when the tail arrives
-            self.cache.unlock(r.node)
+            self.cache.unlock(chain)
         if partial and full:
             key, block = (extra, tuple(prompt)), blocks[full]
             # Already served: the same tail (BS 2: a tail is one token), or a full block that starts with it.
             known = any(e == extra and t[: len(prompt)] == key[1] and len(t) in (len(prompt), (full + 1) * BS)
                         for e, t in self.holds.values())
-            tail = self.cache.insert_tail(r.node, prompt[full * BS:], block)
+            tail = self.cache.insert_tail(chain, prompt[full * BS:], block)
             assert (tail is None) == known
             if tail is None:
                 self.cache.free([block])
@@ -149,7 +146,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         elif partial:
             self.cache.free([blocks[full]])
         if chain_locked:
-            self.cache.unlock(r.node)
+            self.cache.unlock(chain)
 
     @precondition(lambda self: self.filed)
     @rule(data=st.data(), change_last=st.booleans())
