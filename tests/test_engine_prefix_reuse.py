@@ -173,3 +173,14 @@ def test_per_request_opt_out_neither_reads_nor_writes(checkpoint):
                 if out.finished:
                     seen[rid] = out.cached_tokens
     assert seen == {"a": 0, "b": 0, "c": 0, "d": 5 * BS - 1}
+
+
+def test_a_prompt_sharing_only_part_of_the_first_block_is_computed_whole(checkpoint):
+    """Partial-block copies start after at least one matched full block: a few shared leading (template)
+    tokens are not worth giving up the causal prefill kernel for a masked one."""
+    engine = make_engine(checkpoint)
+    rng = random.Random(9)
+    first = [rng.randrange(3, engine.vocab_size) for _ in range(20)]
+    second = first[:3] + [rng.randrange(3, engine.vocab_size) for _ in range(17)]
+    out = run_one_by_one(engine, [("a", first), ("b", second)])
+    assert out["b"][2].cached_tokens == 0
