@@ -3,9 +3,9 @@
 A sequence's block table starts with blocks it matched in the tree (kept alive by locking the matched
 node), followed by blocks it owns outright. As its full blocks get computed they are published to the
 tree, which takes ownership; the sequence then locks the deeper node instead. When it ends, its partial
-last block becomes a tail of that chain. A prompt that leaves the cached chain inside a block gets, at
-admission, a copy of the cached block (a tail or a child's first block) sharing the most of its tokens,
-and starts computing after the shared ones.
+last block becomes a tail of that chain. A prompt that leaves the cached chain inside a block (after at
+least one full block) gets, at admission, a copy of the cached block (a tail or a child's first block)
+sharing the most of its tokens, and starts computing after the shared ones.
 """
 from __future__ import annotations
 
