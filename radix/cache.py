@@ -188,7 +188,8 @@ class RadixCache:
 
         Only full blocks are hashed and shared as chain links; a tail lets a later prompt that continues
         the chain with some of these tokens copy their KV instead of recomputing them (`match_partial`: a
-        follow-up turn whose shared text ends inside the previous turn's last block). Tails are leaves: evictable while unlocked, in policy order.
+        follow-up turn whose shared text ends inside the previous turn's last block). Tails are leaves:
+        evictable while unlocked, in policy order.
         Returns the tail's node, or None when a cached tail or child block already starts with these tokens
         (the block then stays caller-owned). Unlocked tails that the new one extends are evicted.
         """
@@ -333,7 +334,7 @@ class RadixCache:
         min(num_blocks, evictable) blocks are freed. `on_evict` gets the freed ids.
         """
         freed: list[int] = []
-        queue, root = self._queue, self._root
+        queue = self._queue
         while len(freed) < num_blocks:
             leaf = queue.pop()
             if leaf is None:
@@ -344,39 +345,36 @@ class RadixCache:
                 queue.add(leaf)
                 break
             freed.extend(leaf.block_ids)
-            parent = leaf.parent
-            parent.remove_child(leaf)
-            leaf.parent = None
-            if parent is not root and not parent.children and parent.lock_ref == 0:
-                queue.add(parent)
-        if not freed:
-            return freed
-        state = self._state
-        for block in freed:
-            state[block] = FREE
-        self._free.extend(freed)
-        self._num_evictable -= len(freed)
-        self._evicted_blocks += len(freed)
-        if self.on_evict is not None:
-            self.on_evict(list(freed))
+            self._detach_leaf(leaf)
+        self._release_evicted(freed)
         return freed
 
-    def _drop_leaf(self, leaf: TreeNode) -> None:
-        """Evict one unlocked leaf now, whatever the policy order (a tail superseded by a longer one)."""
-        assert leaf.lock_ref == 0 and not leaf.children
-        self._queue.discard(leaf)
+    def _detach_leaf(self, leaf: TreeNode) -> None:
+        """Take an evicted leaf out of the tree; its parent may become an evictable leaf."""
         parent = leaf.parent
         parent.remove_child(leaf)
         leaf.parent = None
         if parent is not self._root and not parent.children and parent.lock_ref == 0:
             self._queue.add(parent)
-        for block in leaf.block_ids:
+
+    def _release_evicted(self, freed: list[int]) -> None:
+        """Evicted tree blocks become free (counted, reported to on_evict)."""
+        if not freed:
+            return
+        for block in freed:
             self._state[block] = FREE
-        self._free.extend(leaf.block_ids)
-        self._num_evictable -= len(leaf.block_ids)
-        self._evicted_blocks += len(leaf.block_ids)
+        self._free.extend(freed)
+        self._num_evictable -= len(freed)
+        self._evicted_blocks += len(freed)
         if self.on_evict is not None:
-            self.on_evict(list(leaf.block_ids))
+            self.on_evict(list(freed))
+
+    def _drop_leaf(self, leaf: TreeNode) -> None:
+        """Evict one unlocked leaf now, whatever the policy order (a tail superseded by a longer one)."""
+        assert leaf.lock_ref == 0 and not leaf.children
+        self._queue.discard(leaf)
+        self._detach_leaf(leaf)
+        self._release_evicted(list(leaf.block_ids))
 
     def reset_prefix_cache(self) -> bool:
         """Evict every evictable block; True when the tree is now empty (no request held a lock)."""

@@ -93,13 +93,8 @@ class KVPool:
     def consecutive_start(self, block_table: torch.Tensor, length: int) -> int | None:
         """The first block id if the blocks holding positions 0..length-1 are consecutive ids, else None.
         A fresh pool hands out consecutive ids, so a long prompt's blocks often are."""
-        num = -(-length // self.block_size)
-        blocks = block_table[:num]
-        if num == 0 or int(blocks[-1]) - int(blocks[0]) != num - 1:
-            return None
-        if num > 2 and not bool((blocks[1:] - blocks[:-1] == 1).all()):
-            return None
-        return int(blocks[0])
+        first, blocks = self.leading_run(block_table, length)
+        return first if blocks and blocks == -(-length // self.block_size) else None
 
     def leading_run(self, block_table: torch.Tensor, length: int) -> tuple[int, int]:
         """(first block id, count) of the consecutive ids that begin the blocks holding positions 0..length-1."""

@@ -22,7 +22,6 @@ class AttentionMetadata:
     _cache_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
-    _consecutive: list | None = field(default=None, repr=False, compare=False)
     _leading_runs: list | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -38,17 +37,17 @@ class AttentionMetadata:
             self._cache[key] = build()
         return self._cache[key]
 
-    def consecutive_start(self, kv, s: int) -> int | None:
-        """kv.consecutive_start of sequence s's block table, worked out once per step."""
-        if self._consecutive is None:
-            self._consecutive = [kv.consecutive_start(t, n) for t, n in zip(self.block_tables, self.context_lens)]
-        return self._consecutive[s]
-
     def leading_run(self, kv, s: int) -> tuple[int, int]:
-        """(first block id, number of blocks) of the consecutive block ids that start sequence s's table."""
+        """(first block id, number of blocks) of the consecutive block ids that start sequence s's table,
+        worked out once per step."""
         if self._leading_runs is None:
             self._leading_runs = [kv.leading_run(t, n) for t, n in zip(self.block_tables, self.context_lens)]
         return self._leading_runs[s]
+
+    def consecutive_start(self, kv, s: int) -> int | None:
+        """The first block id when all of sequence s's context lies in consecutive blocks, else None."""
+        first, blocks = self.leading_run(kv, s)
+        return first if blocks and blocks * kv.block_size >= self.context_lens[s] else None
 
     def sequence_masks(
         self, positions: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
@@ -210,7 +209,7 @@ def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: i
     n, heads, hd = q.shape
     kv_heads, prefix, ctx = kv.num_kv_heads, blocks * kv.block_size, meta.context_lens[s]
     group = heads // kv_heads
-    folded = q.reshape(n, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, hd)
+    folded = _fold_heads(q, kv_heads)
     k_run = kv.k[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
     v_run = kv.v[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
     k_rest, v_rest = kv.gather(layer, meta.block_tables[s][blocks:], ctx - prefix)
@@ -220,20 +219,28 @@ def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: i
                              attn_mask=seq_mask.folded(0, n, ctx, group, prefix), scale=scale)[:2]
     top = torch.maximum(lse_run, lse_rest)
     w_run, w_rest = (lse_run - top).exp_().unsqueeze(-1), (lse_rest - top).exp_().unsqueeze(-1)
-    merged = (o_run * w_run + o_rest * w_rest) / (w_run + w_rest)
-    return merged.view(kv_heads, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    return _unfold_heads((o_run * w_run + o_rest * w_rest) / (w_run + w_rest), n)
+
+
+def _fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[n, heads, hd] -> [1, kv_heads, group * n, hd]: GQA without repeating K/V, query head h*group + g of
+    token t becomes row g*n + t of KV head h (masks for it are repeated `group` times, head-in-group major)."""
+    n, heads, hd = q.shape
+    group = heads // kv_heads
+    return q.reshape(n, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, hd)
+
+
+def _unfold_heads(out: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _fold_heads: [1, kv_heads, group * n, hd] -> [n, heads, hd]."""
+    _, kv_heads, rows, hd = out.shape
+    return out.view(kv_heads, rows // n, n, hd).permute(2, 0, 1, 3).reshape(n, kv_heads * (rows // n), hd)
 
 
 def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float) -> torch.Tensor:
-    """q: [n, heads, hd]; k, v: [1, kv_heads, keys, hd]; mask: [group * n, keys] (rows head-in-group major).
-    GQA without repeating K/V: query head h*group + g of token t becomes row g*n + t of KV head h."""
-    n, heads, hd = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    folded = q.reshape(n, kv_heads, group, hd).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, hd)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
-    return out.view(kv_heads, group, n, hd).permute(2, 0, 1, 3).reshape(n, heads, hd)
+    """q: [n, heads, hd]; k, v: [1, kv_heads, keys, hd]; mask: [group * n, keys] (see _fold_heads)."""
+    out = F.scaled_dot_product_attention(_fold_heads(q, k.shape[1]), k, v, attn_mask=mask, scale=scale)
+    return _unfold_heads(out, q.shape[0])
 
 
 def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, scale: float) -> torch.Tensor:
