@@ -8,6 +8,11 @@ order as every other cached block. Chunks rarely end on a block boundary: the ta
 token id the model never produces (the vocabulary size), so the last partial block is cached too and
 only a whole-chunk match can use it. A lookup may also match only the leading blocks of a chunk
 (another chunk with the same beginning): those tokens are reused and the rest computed.
+
+A chunk's KV is filed in one of two forms, each under its own namespace: *alone* (computed right after the
+prompt's opening, with no other chunk before it: a precomputed document, or a prompt's first chunk) or *in
+context* (computed after other chunks). Blending corrects only the alone form by the model's key shift
+(blend/key_shift.py); a lookup prefers it.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class ChunkHit:
     block_ids: list[int]  # chunk-namespace blocks holding positions 0..num_tokens-1 (rounded up to blocks)
     num_tokens: int  # leading tokens of the chunk whose KV is cached
     match: MatchResult  # lock match.node while copying out of these blocks
+    alone: bool = True  # the KV was computed with no other chunk before it (see the module docstring)
 
 
 class ChunkIndex:
@@ -31,30 +37,35 @@ class ChunkIndex:
         self.pad_token = pad_token
         self.min_tokens = min_tokens
 
-    def namespace(self, salt: bytes = b"") -> bytes:
-        return b"chunk\x00" + self.model_id.encode() + b"\x00" + salt
+    def namespace(self, salt: bytes = b"", alone: bool = True) -> bytes:
+        tag = b"chunk\x00" if alone else b"chunk-in-context\x00"  # the tags differ at byte 6, whatever follows
+        return tag + self.model_id.encode() + b"\x00" + salt
 
     def padded(self, tokens: list[int]) -> list[int]:
         return list(tokens) + [self.pad_token] * (-len(tokens) % self.block_size)
 
-    def lookup(self, tokens: list[int], salt: bytes = b"") -> ChunkHit | None:
-        """Cached KV for the longest cached beginning of the chunk; None if nothing is cached."""
+    def lookup(self, tokens: list[int], salt: bytes = b"", alone: bool | None = None) -> ChunkHit | None:
+        """Cached KV for the longest cached beginning of the chunk, of either form (the alone one on a tie)
+        or of the form asked for; None if nothing is cached."""
         if len(tokens) < self.min_tokens:
             return None
-        match = self.cache.match(self.padded(tokens), self.namespace(salt), record_stats=False)
-        if match.num_tokens == 0:
-            return None
-        return ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match)
+        padded = self.padded(tokens)
+        best = None
+        for form in ((True, False) if alone is None else (alone,)):
+            match = self.cache.match(padded, self.namespace(salt, form), record_stats=False)
+            if match.num_tokens and (best is None or match.num_tokens > best.match.num_tokens):
+                best = ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match, form)
+        return best
 
-    def contains(self, tokens: list[int], salt: bytes = b"") -> bool:
-        hit = self.lookup(tokens, salt)
+    def contains(self, tokens: list[int], salt: bytes = b"", alone: bool | None = None) -> bool:
+        hit = self.lookup(tokens, salt, alone)
         return hit is not None and hit.num_tokens == len(tokens)
 
     def blocks_needed(self, tokens: list[int]) -> int:
         return len(self.padded(tokens)) // self.block_size
 
-    def register(self, tokens: list[int], block_ids: list[int], salt: bytes = b"") -> list[int]:
-        """File caller-owned blocks holding the chunk's KV at positions 0..n-1. Returns the given blocks
-        the tree did not take (already cached): the caller frees them."""
-        result = self.cache.insert(self.padded(tokens), block_ids, self.namespace(salt))
+    def register(self, tokens: list[int], block_ids: list[int], salt: bytes = b"", alone: bool = True) -> list[int]:
+        """File caller-owned blocks holding the chunk's KV at positions 0..n-1, in the given form. Returns the
+        given blocks the tree did not take (already cached): the caller frees them."""
+        result = self.cache.insert(self.padded(tokens), block_ids, self.namespace(salt, alone))
         return list(result.duplicate_block_ids)

@@ -6,6 +6,8 @@ A blended prefill runs in three parts:
    chunk index and lock what is found (so allocating the prompt's blocks cannot evict it);
 2. copy in: copy those tokens' KV into the sequence's blocks and re-RoPE the keys from positions
    0..n-1 to where the chunk now sits; then drop the locks;
+   Chunks cached alone (no other chunk before them) also get the model's key shift (blend/key_shift.py):
+   the systematic difference between a chunk's keys alone and after other text;
 3. forward, layer by layer: every token not reused is always computed; reused tokens are computed up
    to the first check layer, where the deviation between their stale and fresh KV picks the ones to
    keep computing (gradually fewer at later check layers); the rest keep their reused KV from there on.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from blend import GradualSchedule, first_tokens_mask, kv_deviation, rerope_layers_
 from blend.chunk_index import ChunkHit, ChunkIndex
+from blend.key_shift import KeyShift
 from blend.selection import combine_scores, count_for_ratio, query_attention, select_top_k
 from radix import OutOfBlocks
 
@@ -75,8 +78,10 @@ class BlendPlan:
 
 
 class Blender:
-    def __init__(self, model, kv: KVPool, index: ChunkIndex, settings: BlendSettings, block_size: int) -> None:
+    def __init__(self, model, kv: KVPool, index: ChunkIndex, settings: BlendSettings, block_size: int,
+                 key_shift: KeyShift | None = None) -> None:
         self.model = model
+        self.key_shift = key_shift
         self.kv = kv
         self.index = index
         self.settings = settings
@@ -112,7 +117,8 @@ class Blender:
         """The namespace seq's blended KV is filed under: everything that decides what KV blending produces."""
         s = self.settings
         return approximate_namespace(f"r={self.ratio_for(seq):.6g};score={s.score};check={s.check_layers};"
-                                     f"factors={s.gradual_factors};first={s.first_tokens};query={s.query_weight:g}")
+                                     f"factors={s.gradual_factors};first={s.first_tokens};query={s.query_weight:g};"
+                                    f"shift={self.key_shift is not None}")
 
     def release(self, plan: BlendPlan) -> None:
         if plan.locked:
@@ -139,6 +145,8 @@ class Blender:
             dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
             pos = torch.arange(r.skip, n, device=dst.device)
             self._copy(src, dst, pos, pos + r.start)
+            if self.key_shift is not None and r.hit.alone:
+                self.key_shift.apply_(self.kv.k, dst, pos + r.start, self.model.rotary.inv_freq)
 
     # 3. forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -230,11 +238,14 @@ class Blender:
         computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
         salt = seq.extra_key
         stored = present = 0
+        first_chunk = seq.cache.chunk_spans[0][0] if seq.cache.chunk_spans else None
         for start, n in self._spans_ending_after(seq, 0):
+            alone = start == first_chunk  # only the prompt's framing came before it
             if start in skip or start + n > seq.num_computed:
                 continue
             tokens = seq.prompt_ids[start:start + n]
-            if self.index.contains(tokens, salt):
+            # an alone copy serves every lookup (it is preferred); an in-context one only where none exists
+            if self.index.contains(tokens, salt, True if alone else None):
                 present += n
                 continue
             try:
@@ -246,7 +257,7 @@ class Blender:
             src = self._slots(seq.block_table, range(start, start + n))
             pos = torch.arange(n, device=dst.device)
             self._copy(src, dst, pos + start, pos)
-            spare = self.index.register(tokens, blocks, salt)
+            spare = self.index.register(tokens, blocks, salt, alone)
             if spare:
                 self.index.cache.free(spare)
             self.registered_chunks += 1

@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="query-aware selection: first run the prompt's tail after the last reused chunk (the "
                             "question) over the reused KV, and add W times the attention it pays each token to "
                             "the deviation score (0: off, plain CacheBlend; costs one pass of the tail)")
+    blend.add_argument("--blend-key-shift", action=argparse.BooleanOptionalAction, default=defaults.blend_key_shift,
+                       help="add the model's key shift to chunks reused from their alone form (calibrated once per "
+                            "model, ~10 s for SmolLM2, kept in $KV_REUSE_KEY_SHIFT_DIR or the model cache folder); "
+                            "--no-blend-key-shift: plain CacheBlend (default: on)")
     blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
                        help="shortest chunk, in tokens, that is cached and reused")
     blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
@@ -219,7 +223,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
-        blend_query_weight=args.blend_query_weight, blend_min_tokens=args.blend_min_tokens,
+        blend_query_weight=args.blend_query_weight, blend_key_shift=args.blend_key_shift,
+        blend_min_tokens=args.blend_min_tokens,
         blend_separator=args.blend_separator)
 
 

@@ -29,5 +29,6 @@ class EngineConfig:
     blend_score: str = "kv"  # K+V deviation: best of k, v, kv on the needle benchmark (BENCHMARKS.md)
     blend_first_tokens: int = 0
     blend_query_weight: float = 0.0
+    blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string

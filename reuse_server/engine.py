@@ -14,6 +14,7 @@ from reuse_server.block_manager import BlockManager
 from reuse_server.blending import Blender, BlendSettings
 from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
+from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.outputs import RequestOutput, TokenLogprob
@@ -68,7 +69,9 @@ class LLMEngine:
             recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
             gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
             first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
-            query_weight=config.blend_query_weight), bs)
+            query_weight=config.blend_query_weight), bs,
+            key_shift=load_or_calibrate(self.model, self.tokenizer, path, dtype, config.device)
+            if config.blend_key_shift else None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.blender, config.enable_blend)
         self.runner = ModelRunner(self.model, self.kv, bs, config.device)

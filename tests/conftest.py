@@ -1,6 +1,20 @@
+import os
+
 import pytest
 
 from tiny_checkpoint import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def key_shift_dir(tmp_path_factory):
+    """Key shifts calibrated for the session's throw-away checkpoints stay in a temporary folder (server
+    subprocesses inherit it), not in the user's cache. A folder the caller set is kept."""
+    if "KV_REUSE_KEY_SHIFT_DIR" in os.environ:
+        yield os.environ["KV_REUSE_KEY_SHIFT_DIR"]
+        return
+    os.environ["KV_REUSE_KEY_SHIFT_DIR"] = str(tmp_path_factory.mktemp("key-shift"))
+    yield os.environ["KV_REUSE_KEY_SHIFT_DIR"]
+    del os.environ["KV_REUSE_KEY_SHIFT_DIR"]
 
 
 @pytest.fixture(scope="session")

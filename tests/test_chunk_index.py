@@ -11,9 +11,9 @@ def index(model="m", num_blocks=64, min_tokens=4) -> ChunkIndex:
     return ChunkIndex(RadixCache(num_blocks, BS), BS, model, pad_token=1000, min_tokens=min_tokens)
 
 
-def store(idx: ChunkIndex, tokens, salt=b""):
+def store(idx: ChunkIndex, tokens, salt=b"", alone=True):
     blocks = idx.cache.allocate(idx.blocks_needed(tokens))
-    spare = idx.register(tokens, blocks, salt)
+    spare = idx.register(tokens, blocks, salt, alone)
     idx.cache.free(spare)
     return blocks
 
@@ -62,3 +62,26 @@ def test_chunk_blocks_are_evictable_in_the_one_accounting():
     idx.cache.allocate(5)  # needs two of the chunk's blocks back
     assert idx.lookup(list(range(10, 22))) is None or not idx.contains(list(range(10, 22)))
     assert idx.cache.stats().evicted_blocks >= 2
+
+
+def test_alone_and_in_context_forms_are_filed_apart_and_the_alone_one_wins_a_tie():
+    idx = index()
+    chunk = list(range(10, 21))
+    ctx_blocks = store(idx, chunk, alone=False)
+    hit = idx.lookup(chunk)
+    assert hit.block_ids == ctx_blocks and not hit.alone
+    assert idx.contains(chunk) and idx.contains(chunk, alone=False) and not idx.contains(chunk, alone=True)
+    alone_blocks = store(idx, chunk, alone=True)
+    assert set(alone_blocks).isdisjoint(ctx_blocks)
+    hit = idx.lookup(chunk)
+    assert hit.block_ids == alone_blocks and hit.alone
+    assert idx.lookup(chunk, alone=False).block_ids == ctx_blocks
+    idx.cache.check_invariants()
+
+
+def test_the_longer_match_wins_whatever_its_form():
+    idx = index()
+    store(idx, list(range(10, 18)) + [50, 51, 52], alone=True)  # shares only the first two blocks
+    ctx_blocks = store(idx, list(range(10, 21)), alone=False)
+    hit = idx.lookup(list(range(10, 21)))
+    assert hit.num_tokens == 11 and hit.block_ids == ctx_blocks and not hit.alone

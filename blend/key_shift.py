@@ -1,0 +1,78 @@
+"""Key shift: the systematic part of how a chunk's cached keys differ from the keys it has in a new context.
+
+A chunk cached alone (right after the prompt's opening) and reused after other text keeps keys computed as if
+nothing preceded it. On SmolLM2 the difference, taken before RoPE, has a large common component: the mean
+difference over many chunks, contexts and positions points the same way in every layer (cosine 0.94-0.99
+between chunks at different depths) and removes 30-40% of the deviation energy of held-out chunks. Adding
+that mean to the reused keys shifts every query's logits on the chunk by q·shift: it restores how much
+attention the stale chunk gets as a whole, which is what stale distractor passages get wrong (BENCHMARKS.md).
+Values have no such common part (5-15%, and correcting them lowered accuracy), so only keys are shifted.
+
+The shift is estimated once per model (`KeyShiftEstimate`, fed by a calibration pass over plain prose) and
+added to the keys of every chunk reused from its alone form, at the chunk's new positions (`KeyShift.apply_`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blend.rope import apply_rope
+
+
+def unrope(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [N, heads, d] with their RoPE at positions [N] undone (a rotation by minus the same fp32 angle)."""
+    return apply_rope(k.float(), -positions.to(torch.int64), inv_freq)
+
+
+@dataclass(frozen=True)
+class KeyShift:
+    k: torch.Tensor  # [layers, kv_heads, head_dim], fp32, before RoPE
+
+    def apply_(self, k_caches: list[torch.Tensor] | tuple[torch.Tensor, ...], slots: torch.Tensor,
+               positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """Add the shift, rotated to `positions` [N], to the keys at `slots` [N] of every layer's paged pool
+        ([num_blocks, block_size, kv_heads, head_dim] each). Slots must be distinct."""
+        if len(k_caches) != self.k.shape[0]:
+            raise ValueError(f"the shift has {self.k.shape[0]} layers, the pool {len(k_caches)}")
+        if slots.numel() == 0:
+            return
+        idx = slots.to(device=k_caches[0].device, dtype=torch.int64)
+        pos = positions.to(device=k_caches[0].device)
+        shift = self.k.to(k_caches[0].device)
+        for layer, k_cache in enumerate(k_caches):
+            _, _, kv_heads, hd = k_cache.shape
+            rotated = apply_rope(shift[layer].expand(len(idx), kv_heads, hd), pos, inv_freq.to(pos.device))
+            k_cache.view(-1, kv_heads, hd).index_add_(0, idx, rotated.to(k_cache.dtype))
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k.contiguous()}
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> "KeyShift":
+        return cls(tensors["k"].float())
+
+
+class KeyShiftEstimate:
+    """The mean, over every token seen, of (key in context) - (key alone), both un-rotated, per layer."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor) -> None:
+        self.sum = torch.zeros(num_layers, kv_heads, head_dim, dtype=torch.float64)
+        self.tokens = 0
+        self.inv_freq = inv_freq.float().cpu()
+
+    def add(self, in_context: list[torch.Tensor], context_pos: torch.Tensor,
+            alone: list[torch.Tensor], alone_pos: torch.Tensor) -> None:
+        """One chunk: per layer, its post-RoPE keys [n, kv_heads, d] computed after other text (at context_pos)
+        and computed alone after the opening (at alone_pos)."""
+        if len(in_context) != self.sum.shape[0] or len(alone) != self.sum.shape[0]:
+            raise ValueError("one key tensor per layer is needed")
+        for layer, (k_ctx, k_alone) in enumerate(zip(in_context, alone)):
+            diff = unrope(k_ctx.cpu(), context_pos.cpu(), self.inv_freq) - unrope(k_alone.cpu(), alone_pos.cpu(), self.inv_freq)
+            self.sum[layer] += diff.double().sum(0)
+        self.tokens += len(context_pos)
+
+    def result(self) -> KeyShift:
+        if not self.tokens:
+            raise ValueError("no tokens were added")
+        return KeyShift((self.sum / self.tokens).float())
