@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--score", default="kv")
     ap.add_argument("--first-tokens", type=int, default=0)
     ap.add_argument("--query-weight", type=float, default=0.0)
+    ap.add_argument("--key-shift", action=argparse.BooleanOptionalAction, default=True,
+                    help="the server's --blend-key-shift (default on); --no-key-shift: plain CacheBlend")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--precompute-after-template", action=argparse.BooleanOptionalAction, default=True)
@@ -142,7 +144,7 @@ def main() -> None:
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),
         blend_score=args.score, blend_first_tokens=args.first_tokens, blend_min_tokens=16,
-        blend_query_weight=args.query_weight))
+        blend_query_weight=args.query_weight, blend_key_shift=args.key_shift))
     engine.sampler = sampler = CapturingSampler()
     tok = engine.tokenizer
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -202,7 +204,7 @@ def main() -> None:
             prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4), recomputed_share=round(r["recomputed"] / r["prompt"], 4),
             mean_prompt_tokens=round(r["prompt"] / len(cases)),
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
-                          first_tokens=args.first_tokens, query_weight=args.query_weight,
+                          first_tokens=args.first_tokens, query_weight=args.query_weight, key_shift=args.key_shift,
                           precompute_after_template=args.precompute_after_template,
                           prefix_cache=args.prefix_cache)))
         print(json.dumps(rows[-1]), flush=True)
