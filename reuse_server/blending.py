@@ -139,13 +139,15 @@ class Blender:
         rerope_layers_(self.kv.k, dst, old_pos, new_pos, self.model.rotary.inv_freq)
 
     def copy_in(self, seq: Sequence, plan: BlendPlan) -> None:
+        first_chunk = seq.cache.chunk_spans[0][0]
         for r in plan.reuses:
             n = r.hit.num_tokens
             src = self._slots(r.hit.block_ids, range(r.skip, n))
             dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
             pos = torch.arange(r.skip, n, device=dst.device)
             self._copy(src, dst, pos, pos + r.start)
-            if self.key_shift is not None and r.hit.alone:
+            # a chunk cached alone needs the shift only where other text now precedes it
+            if self.key_shift is not None and r.hit.alone and r.start != first_chunk:
                 self.key_shift.apply_(self.kv.k, dst, pos + r.start, self.model.rotary.inv_freq)
 
     # 3. forward ---------------------------------------------------------------------------

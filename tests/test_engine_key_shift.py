@@ -69,7 +69,7 @@ def copied_keys(engine: LLMEngine, ids, spans) -> list[torch.Tensor]:
     return keys
 
 
-def test_the_shift_goes_to_chunks_reused_alone_and_not_to_chunks_cached_in_context(checkpoint):
+def test_the_shift_goes_to_chunks_reused_alone_after_other_text_only(checkpoint):
     on, off = make_engine(checkpoint), make_engine(checkpoint, blend_key_shift=False)
     first, second = passages(11, on.vocab_size, sizes=(14, 17))
     ids, spans = build_prompt([first, second], head=[3, 4], question=[5])
@@ -86,6 +86,11 @@ def test_the_shift_goes_to_chunks_reused_alone_and_not_to_chunks_cached_in_conte
         pos = torch.arange(s_first, s_first + n_first)
         delta = unrope(k_on[layer][moved], pos, inv_freq) - unrope(k_off[layer][moved], pos, inv_freq)
         assert torch.allclose(delta, on.blender.key_shift.k[layer].expand_as(delta), atol=1e-5)
+    # reused as the prompt's first chunk again, an alone chunk is where it was computed: no shift
+    ids, spans = build_prompt([first, second], head=[7], question=[5])
+    k_on, k_off = copied_keys(on, ids, spans), copied_keys(off, ids, spans)
+    for layer in range(on.kv.num_layers):
+        assert torch.equal(k_on[layer], k_off[layer])
 
 
 # --- the bundled SmolLM2 ------------------------------------------------------------------------------------
