@@ -130,6 +130,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--precompute-after-template", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--fill", choices=["precompute", "traffic"], default="precompute",
+                    help="how passages reach the chunk index: precomputed alone (POST /v1/cache/chunks), or from "
+                         "one earlier ordinary request with the passages in another order (its first passage is "
+                         "filed alone, the others in context)")
     ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="blended requests also use the exact prefix cache, as served (the template opening, and "
                          "the passage precomputed right after it that comes first, are then exact hits); full "
@@ -161,8 +165,12 @@ def main() -> None:
     probe_ids, probe_spans = prompt_for(tok, ["x"])
     lead = probe_ids[:probe_spans[0][0]]
     for i, case in enumerate(cases):
-        for j, passage in enumerate(case.passages):  # precompute through the chunk index
-            t = list(encode(tok, passage))
+        if args.fill == "traffic":
+            first_ids, first_spans = prompt_for(tok, case.passages)
+            engine.add_request(f"pre{i}", first_ids, SamplingParams(max_tokens=1),
+                               CacheOptions(chunk_spans=first_spans, blend=True, prefix_cache=False))
+        for j, passage in enumerate(case.passages if args.fill == "precompute" else []):
+            t = list(encode(tok, passage))  # precompute through the chunk index
             head = lead if args.precompute_after_template else []
             engine.add_request(f"pre{i}-{j}", head + t, SamplingParams(max_tokens=1),
                                CacheOptions(chunk_spans=[(len(head), len(t))], precompute_only=True, blend=False))
@@ -205,7 +213,7 @@ def main() -> None:
             mean_prompt_tokens=round(r["prompt"] / len(cases)),
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
                           first_tokens=args.first_tokens, query_weight=args.query_weight, key_shift=args.key_shift,
-                          precompute_after_template=args.precompute_after_template,
+                          precompute_after_template=args.precompute_after_template, fill=args.fill,
                           prefix_cache=args.prefix_cache)))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
