@@ -20,6 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from jinja2 import TemplateError
+
 from blend.token_cache import MIN_CACHED_CHARS, cache_for
 
 log = logging.getLogger(__name__)
@@ -186,3 +188,22 @@ def render_chat_chunks(
         if text:
             chunks.append(Chunk(text, encode(tokenizer, text), reusable))
     return chunks
+
+
+def chat_opening(tokenizer: Any, part_separator: str = "\n") -> list[int]:
+    """The tokens a chat prompt puts before the first user message's content (a default system prompt,
+    the user header): what a chunk sees before it when it comes first. Empty for a tokenizer without a
+    chat template, or one whose template rejects a lone user message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        chunks = render_chat_chunks(tokenizer, [{"role": "user", "content": "x"}], add_generation_prompt=False,
+                                    part_separator=part_separator)
+    except TemplateError:
+        return []
+    opening: list[int] = []
+    for chunk in chunks:
+        if chunk.reusable:
+            return opening
+        opening.extend(chunk.tokens)
+    return []

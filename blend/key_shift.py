@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.rope import apply_rope
+from blend.rope import _rotate, apply_rope, rotation_angles, rotation_cos_sin
 
 
 def unrope(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,15 @@ class KeyShift:
             raise ValueError(f"the shift has {self.k.shape[0]} layers, the pool {len(k_caches)}")
         if slots.numel() == 0:
             return
-        idx = slots.to(device=k_caches[0].device, dtype=torch.int64)
-        pos = positions.to(device=k_caches[0].device)
-        shift = self.k.to(k_caches[0].device)
+        device = k_caches[0].device
+        idx = slots.to(device=device, dtype=torch.int64)
+        pos = positions.to(device=device, dtype=torch.int64)
+        # the rotation to each position, once for all layers (from 0: the model's own fp32 angles)
+        cos_sin = rotation_cos_sin(rotation_angles(torch.zeros_like(pos), pos, inv_freq.to(device)))
+        shift = self.k.to(device)
         for layer, k_cache in enumerate(k_caches):
             _, _, kv_heads, hd = k_cache.shape
-            rotated = apply_rope(shift[layer].expand(len(idx), kv_heads, hd), pos, inv_freq.to(pos.device))
+            rotated = _rotate(shift[layer].expand(len(idx), kv_heads, hd), cos_sin=cos_sin)
             k_cache.view(-1, kv_heads, hd).index_add_(0, idx, rotated.to(k_cache.dtype))
 
     def to_dict(self) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ A blended prefill runs in three parts:
    chunk index and lock what is found (so allocating the prompt's blocks cannot evict it);
 2. copy in: copy those tokens' KV into the sequence's blocks and re-RoPE the keys from positions
    0..n-1 to where the chunk now sits; then drop the locks;
-   Chunks cached alone (no other chunk before them) also get the model's key shift (blend/key_shift.py):
+   Chunks cached alone that other text now precedes also get the model's key shift (blend/key_shift.py):
    the systematic difference between a chunk's keys alone and after other text;
 3. forward, layer by layer: every token not reused is always computed; reused tokens are computed up
    to the first check layer, where the deviation between their stale and fresh KV picks the ones to
@@ -138,8 +138,12 @@ class Blender:
             self.kv.write(layer, dst, k, v)
         rerope_layers_(self.kv.k, dst, old_pos, new_pos, self.model.rotary.inv_freq)
 
+    @staticmethod
+    def _is_first_chunk(seq: Sequence, start: int) -> bool:
+        """Only the prompt's framing comes before the chunk at `start`: its KV there is its alone form."""
+        return bool(seq.cache.chunk_spans) and seq.cache.chunk_spans[0][0] == start
+
     def copy_in(self, seq: Sequence, plan: BlendPlan) -> None:
-        first_chunk = seq.cache.chunk_spans[0][0]
         for r in plan.reuses:
             n = r.hit.num_tokens
             src = self._slots(r.hit.block_ids, range(r.skip, n))
@@ -147,7 +151,7 @@ class Blender:
             pos = torch.arange(r.skip, n, device=dst.device)
             self._copy(src, dst, pos, pos + r.start)
             # a chunk cached alone needs the shift only where other text now precedes it
-            if self.key_shift is not None and r.hit.alone and r.start != first_chunk:
+            if self.key_shift is not None and r.hit.alone and not self._is_first_chunk(seq, r.start):
                 self.key_shift.apply_(self.kv.k, dst, pos + r.start, self.model.rotary.inv_freq)
 
     # 3. forward ---------------------------------------------------------------------------
@@ -240,9 +244,8 @@ class Blender:
         computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
         salt = seq.extra_key
         stored = present = 0
-        first_chunk = seq.cache.chunk_spans[0][0] if seq.cache.chunk_spans else None
         for start, n in self._spans_ending_after(seq, 0):
-            alone = start == first_chunk  # only the prompt's framing came before it
+            alone = self._is_first_chunk(seq, start)
             if start in skip or start + n > seq.num_computed:
                 continue
             tokens = seq.prompt_ids[start:start + n]

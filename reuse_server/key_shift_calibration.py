@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from blend.calibration_text import PARAGRAPHS
-from blend.chunking import encode, render_chat_chunks
+from blend.chunking import chat_opening, encode
 from blend.key_shift import KeyShift, KeyShiftEstimate
 from safetensors.torch import load_file, save_file
 
@@ -36,20 +36,11 @@ BLOCK_SIZE = 16
 def calibration_chats(tokenizer, paragraphs=PARAGRAPHS) -> tuple[list[int], list[list[list[int]]]]:
     """(opening, chats): the tokens before a chat's first passage, and each chat as its passages' token
     lists. Chat c holds paragraphs c, c+3, c+6, c+9 (mod len), so every paragraph comes first in one chat
-    and after others in the rest. A model without a chat template gets bare passages after its BOS."""
+    and after others in the rest."""
     n = len(paragraphs)
     orders = [[(c + 3 * j) % n for j in range(PASSAGES_PER_CHAT)] for c in range(n // 2)]
     passages = [list(encode(tokenizer, p)) for p in paragraphs]
-    opening: list[int] = []
-    if getattr(tokenizer, "chat_template", None):
-        chunks = render_chat_chunks(tokenizer, [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
-                                    add_generation_prompt=False, part_separator="")
-        for chunk in chunks:
-            if chunk.reusable:
-                break
-            opening.extend(chunk.tokens)
-    elif getattr(tokenizer, "bos_token_id", None) is not None:
-        opening = [tokenizer.bos_token_id]
+    opening = chat_opening(tokenizer, part_separator="")  # what POST /v1/cache/chunks computes a document after
     return opening, [[passages[i] for i in order] for order in orders]
 
 

@@ -6,7 +6,7 @@ generation prompt) forms small chunks that are always computed. See `blend.chunk
 """
 from __future__ import annotations
 
-from blend.chunking import render_chat_chunks
+from blend.chunking import chat_opening, render_chat_chunks
 from jinja2 import TemplateError
 
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
@@ -46,11 +46,4 @@ def user_turn_opening(tokenizer) -> list[int]:
     user header). Precomputed chunks are computed after them, so that when a chunk is reused its cached KV
     was made with the same attention sink at the start of the context (measured: 87.5% vs 77.5% needle
     accuracy at 15% recompute, BENCHMARKS.md). Empty for a model without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return []
-    try:
-        rendered = from_chunks(render_chat_chunks(tokenizer, [{"role": "user", "content": "x"}],
-                                                  add_generation_prompt=False, part_separator=PART_SEPARATOR))
-    except TemplateError:
-        return []
-    return rendered.token_ids[: rendered.chunk_spans[0][0]] if rendered.chunk_spans else []
+    return chat_opening(tokenizer, PART_SEPARATOR)
