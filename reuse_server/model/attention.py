@@ -217,9 +217,9 @@ def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: i
     o_run, lse_run = flash(folded, k_run, v_run, scale=scale)[:2]
     o_rest, lse_rest = flash(folded, k_rest.transpose(0, 1).unsqueeze(0), v_rest.transpose(0, 1).unsqueeze(0),
                              attn_mask=seq_mask.folded(0, n, ctx, group, prefix), scale=scale)[:2]
-    top = torch.maximum(lse_run, lse_rest)
-    w_run, w_rest = (lse_run - top).exp_().unsqueeze(-1), (lse_rest - top).exp_().unsqueeze(-1)
-    return _unfold_heads((o_run * w_run + o_rest * w_rest) / (w_run + w_rest), n)
+    # softmax over both parts = each part's softmax weighted by its share of the total exp-sum
+    share_run = torch.sigmoid(lse_run - lse_rest).unsqueeze_(-1)
+    return _unfold_heads(torch.lerp(o_rest, o_run, share_run), n)
 
 
 def _fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -41,6 +41,16 @@ class PackedLinear(nn.Module):
             self.__dict__["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
             self.__dict__["bias"] = None if bias is None else bias.detach().contiguous()
 
+    @classmethod
+    def stacked(cls, linears) -> "PackedLinear":
+        """One product computing several nn.Linear of the same input, their outputs side by side."""
+        weight = torch.cat([lin.weight for lin in linears])
+        biases = [lin.bias for lin in linears]
+        if all(b is None for b in biases):
+            return cls(weight)
+        return cls(weight, torch.cat([torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+                                      if b is None else b for lin, b in zip(linears, biases)]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
