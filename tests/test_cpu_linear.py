@@ -23,6 +23,23 @@ def test_packed_linear_equals_f_linear(rows, bias):
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("biases", [(False, False, False), (True, True, True), (True, False, True)])
+def test_stacked_linears_give_each_output_side_by_side(biases):
+    """q/k/v packed as one product (Qwen2's carry biases): the output is the three F.linear outputs concatenated."""
+    gen = torch.Generator().manual_seed(sum(biases))
+    linears = [torch.nn.Linear(40, out, bias=b) for out, b in zip((48, 16, 16), biases)]
+    for lin in linears:
+        torch.nn.init.normal_(lin.weight, generator=gen)
+        if lin.bias is not None:
+            torch.nn.init.normal_(lin.bias, generator=gen)
+    x = torch.randn(17, 40, generator=gen)
+    out = PackedLinear.stacked(linears)(x)
+    ref = torch.cat([F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+                     for lin in linears], -1)
+    assert out.shape == (17, 80)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU")
 def test_packed_linear_bf16():
     gen = torch.Generator().manual_seed(7)
