@@ -105,6 +105,10 @@ class LLMEngine:
                 f"{len(prompt_ids)} tokens, which leaves no room for a completion.",
                 None, "context_length_exceeded")
         params.validate()
+        outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if outside:
+            raise InvalidRequest(f"logit_bias names token {outside[0]}, outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1}).", "logit_bias")
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidRequest(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -170,7 +174,8 @@ class LLMEngine:
         if not pending:
             return outputs
         tokens = self.sampler.sample(torch.stack([rows[id(s)] for s in pending]),
-                                     [s.request_id for s in pending], [s.params for s in pending])
+                                     [s.request_id for s in pending], [s.params for s in pending],
+                                     [(s.prompt_ids, s.output_ids) for s in pending])
         for seq, token in zip(pending, tokens):
             outputs.append(self._append_token(seq, token, rows[id(seq)]))
         return outputs

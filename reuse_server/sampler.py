@@ -1,4 +1,5 @@
-"""Turn a batch of next-token logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Turn a batch of next-token logits into tokens: penalties and logit bias, then greedy, temperature, top-k,
+top-p, per-request seeds."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,17 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits: [N, vocab] fp32 on any device; returns one token id per row."""
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+        """logits: [N, vocab] fp32 on any device; histories: per row (prompt ids, output ids so far), needed
+        when a row's params have penalties. Returns one token id per row."""
         logits = logits.float().cpu()
+        if any(p.adjusts_logits for p in params):
+            logits = logits.clone()
+            for row, p in enumerate(params):
+                if p.adjusts_logits:
+                    prompt_ids, output_ids = histories[row] if histories is not None else ([], [])
+                    adjust_logits(logits[row], p, prompt_ids, output_ids)
         out: list[int] = []
         greedy = logits.argmax(dim=-1).tolist()
         for row, (rid, p) in enumerate(zip(request_ids, params)):
@@ -49,6 +58,21 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def adjust_logits(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+    """Apply p's repetition, frequency and presence penalties and logit bias to one row of logits, in place."""
+    vocab = row.numel()
+    if p.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.long).unique()
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+        row -= counts * p.frequency_penalty + (counts > 0).to(row.dtype) * p.presence_penalty
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -26,6 +26,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token; None: no logprobs
     include_stop_str_in_output: bool = False
+    # OpenAI's: subtracted from a token's logit once it was generated (presence), per time generated (frequency)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers'/vLLM's: the logit of any token seen in the prompt or the output so far is divided by it
+    # when positive, multiplied when negative
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self, max_new_tokens_allowed: int | None = None) -> None:
         if self.max_tokens < 1:
@@ -46,6 +53,18 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be in [0, 20], got {self.logprobs}.", "logprobs")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequest("seed must be a 64-bit integer.", "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}.", name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.",
+                                 "repetition_penalty")
+        if len(self.logit_bias) > 300:
+            raise InvalidRequest("logit_bias may hold at most 300 tokens.", "logit_bias")
+        for token, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {bias} for token {token}.",
+                                     "logit_bias")
         if len(self.stop) > 4:
             raise InvalidRequest("At most 4 stop sequences are allowed.", "stop")
         if any(s == "" for s in self.stop):
@@ -54,6 +73,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed (penalties, bias) before choosing a token."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 @dataclass

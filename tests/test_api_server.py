@@ -132,6 +132,44 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert cached(cache_salt="tenant-a")[1] == second
 
 
+def test_logit_bias_and_penalties_steer_generation(client, tokenizer):
+    """A +100 bias makes greedy decoding emit that token every time; a frequency penalty stops greedy
+    decoding from repeating one token forever (the unpenalized run of this random model does repeat)."""
+    token = tokenizer.encode(" fox", add_special_tokens=False)[-1]
+    forced = client.completions.create(model=MODEL, prompt="The", max_tokens=5, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tokenizer.decode([token] * 5)
+
+    def greedy_ids(**extra):
+        resp = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=24, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True, **extra})
+        return resp.choices[0].logprobs.tokens
+
+    plain, penalized = greedy_ids(), greedy_ids(frequency_penalty=2.0)
+    most_repeated = max(plain.count(t) for t in plain)
+    assert most_repeated > 3  # the premise: unpenalized greedy text repeats itself
+    assert max(penalized.count(t) for t in penalized) < most_repeated
+
+
+def test_developer_role_is_the_system_role(client):
+    def ask(role):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hello?"}],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+
+    as_system, as_developer = ask("system"), ask("developer")
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+
+
+def test_tools_with_tool_choice_none_are_accepted(client):
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        response_format={"type": "text"})
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
 def test_logprobs_shapes(client):
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -227,6 +265,23 @@ ERROR_CASES = [
     ("lone-surrogate-prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, None, None, ["prompt", "Unicode"]),
     ("lone-surrogate-salt-stream", "/v1/completions", b'{"prompt": "ab", "stream": true, "cache_salt": "\\udfff"}',
      400, None, None, ["cache_salt", "Unicode"]),
+    ("presence-penalty-range", "/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400,
+     "presence_penalty", None, ["2.5"]),
+    ("logit-bias-range", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", None,
+     ["101"]),
+    ("logit-bias-not-a-token", "/v1/completions", {"prompt": "x", "logit_bias": {"fox": 1}}, 400, "logit_bias",
+     None, ["fox"]),
+    ("logit-bias-outside-vocab", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 1}}, 400, "logit_bias", None,
+     ["999999"]),
+    ("chat-tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools", None, ["Tool"]),
+    ("chat-json-output", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format", None, ["json_object"]),
+    ("completion-suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None, ["suffix"]),
+    ("completion-best-of", "/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None, ["best_of"]),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, 404, None, None, []),
 ]
 

@@ -7,7 +7,7 @@ import torch
 from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
 from reuse_server.engine import LLMEngine
-from reuse_server.sampler import Sampler
+from reuse_server.sampler import Sampler, adjust_logits
 from reuse_server.sampling_params import InvalidRequest, SamplingParams
 from tiny_checkpoint import build_tokenizer, write_tiny_checkpoint
 
@@ -37,8 +37,35 @@ def test_seed_makes_sampling_reproducible_and_differs_between_seeds():
     assert draw(7) != draw(8)
 
 
+def test_penalties_and_bias_follow_their_formulas():
+    """OpenAI's frequency/presence penalties count the output only; the repetition penalty (prompt and output)
+    divides a positive logit and multiplies a negative one; the bias is added last."""
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0,
+                            logit_bias={4: -3.0, 0: 1.5})
+    row = logits.clone()
+    adjust_logits(row, params, prompt_ids=[1], output_ids=[3, 3, 2])
+    expected = torch.tensor([2.0 + 1.5,            # unseen: only its bias
+                             -1.0 * 2.0,           # seen in the prompt, negative: multiplied
+                             0.5 / 2.0 - 0.5 - 0.25,  # generated once
+                             3.0 / 2.0 - 1.0 - 0.25,  # generated twice
+                             1.0 - 3.0])
+    assert torch.allclose(row, expected)
+
+
+def test_sampler_applies_penalties_before_the_greedy_choice():
+    logits = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]])
+    plain, penalized = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=0.2)
+    histories = [([], [0]), ([], [0])]
+    assert Sampler().sample(logits, ["a", "b"], [plain, penalized], histories) == [0, 1]
+    assert Sampler().sample(logits, ["c"], [SamplingParams(temperature=0.0, logit_bias={2: 5.0})]) == [2]
+    assert torch.equal(logits, torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]]))  # the caller's logits are kept
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_k=0), dict(max_tokens=0),
-                                 dict(logprobs=21), dict(stop=[""]), dict(seed=2**64)])
+                                 dict(logprobs=21), dict(stop=[""]), dict(seed=2**64), dict(presence_penalty=-2.1),
+                                 dict(frequency_penalty=2.5), dict(repetition_penalty=0.0),
+                                 dict(logit_bias={3: 100.5})])
 def test_invalid_sampling_params_are_rejected(bad):
     with pytest.raises(InvalidRequest):
         SamplingParams(**bad).validate()

@@ -25,6 +25,17 @@ def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
         for lp in logprobs])
 
 
+def check_unsupported(body: ChatCompletionRequest) -> None:
+    """Reject what this server cannot honour rather than ignore it: a client asking for tool calls or JSON
+    output would otherwise take plain text for the model's choice."""
+    if body.tools and body.tool_choice != "none":
+        raise InvalidRequest("Tool calls are not supported by this server; send no tools (or tool_choice "
+                             "'none').", "tools")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise InvalidRequest(f"response_format {kind!r} is not supported; only 'text'.", "response_format")
+
+
 def requested_logprobs(body: ChatCompletionRequest) -> int | None:
     """Chat's (logprobs: bool, top_logprobs: int) as the engine's single 'how many alternatives' number."""
     if body.top_logprobs is not None and not body.logprobs:
@@ -35,6 +46,7 @@ def requested_logprobs(body: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
     check_model(body, engine.model_id)
     check_common(body)
+    check_unsupported(body)
     logprobs = requested_logprobs(body)
     prompt_ids, chunk_spans = render_chat_prompt(engine.tokenizer, body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -21,7 +21,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them; list content stays a list of text parts."""
     out = []
     for m in messages:
-        entry = {"role": m.role, "content": m.content if m.content is not None else ""}
+        # chat templates predate OpenAI's "developer" role; it is the system message under a new name
+        role = "system" if m.role == "developer" else m.role
+        entry = {"role": role, "content": m.content if m.content is not None else ""}
         if isinstance(m.content, list):
             entry["content"] = [{"type": "text", "text": part["text"]} for part in m.content]
         if m.name is not None:

@@ -56,6 +56,10 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
     check_common(body)
     if body.echo:
         raise InvalidRequest("echo is not supported.", "echo")
+    if body.suffix:
+        raise InvalidRequest("suffix is not supported.", "suffix")
+    if body.best_of not in (None, 1):
+        raise InvalidRequest(f"Only best_of=1 is supported, got best_of={body.best_of}.", "best_of")
     prompt_ids, chunk_spans = completion_prompt(engine.tokenizer, body.prompt, engine.config.blend_separator)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched

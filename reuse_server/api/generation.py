@@ -49,9 +49,24 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=token_biases(body.logit_bias),
     )
     params.validate()
     return params
+
+
+def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys, hence strings) with integer keys."""
+    out = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+    return out
 
 
 def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = ()) -> CacheOptions:

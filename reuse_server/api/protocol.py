@@ -76,6 +76,10 @@ class GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
     # Extensions: per-request cache controls.
     prefix_cache: bool | None = True
@@ -105,6 +109,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None  # not supported: rejected when given
+    best_of: int | None = None  # only 1
 
     _prompt_shape = field_validator("prompt", mode="before")(_check_prompt)
 
@@ -112,7 +118,7 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -138,6 +144,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Not supported; declared so that asking for them gets a clear 400 instead of being silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CacheChunksRequest(BaseModel):
