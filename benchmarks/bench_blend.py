@@ -43,7 +43,7 @@ class CapturingSampler(Sampler):
         super().__init__()
         self.first_logits: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits, request_ids, params):
+    def sample(self, logits, request_ids, params, histories=None):
         for row, rid in enumerate(request_ids):
             self.first_logits.setdefault(rid, logits[row].float().clone())
         return super().sample(logits, request_ids, params)

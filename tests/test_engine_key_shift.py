@@ -126,7 +126,7 @@ class FirstLogits(Sampler):
         super().__init__()
         self.first: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits, request_ids, params):
+    def sample(self, logits, request_ids, params, histories=None):
         for row, rid in enumerate(request_ids):
             self.first.setdefault(rid, logits[row].float().clone())
         return super().sample(logits, request_ids, params)
