@@ -54,6 +54,26 @@ class BlockManager:
         # Full blocks only: this orders the queue, where a partial block's few tokens change nothing.
         return self.cache.match(self._matchable(seq), seq.extra_key, record_stats=False).num_tokens
 
+    def pending_block(self, seq: Sequence, depth: int) -> tuple | None:
+        """A key for seq's prompt block that starts at token `depth`, together with every token before it:
+        sequences with equal keys compute the same KV for that block. None past the prompt's matchable full
+        blocks, or where seq does not share through the exact prefix cache."""
+        end = depth + self.block_size
+        if not self._caches(seq) or end > len(seq.prompt_ids) - 1:
+            return None
+        return seq.extra_key, depth, hash(tuple(seq.prompt_ids[:end]))
+
+    def next_uncached_block(self, seq: Sequence) -> tuple | None:
+        """For a waiting seq: the pending_block key of the first block the cache cannot serve now."""
+        return self.pending_block(seq, self.peek_cached(seq))
+
+    def block_in_flight(self, seq: Sequence) -> tuple | None:
+        """For an admitted seq still computing its prompt into the exact tree: the pending_block key of its
+        first block not yet handed to the tree (being computed, or next)."""
+        if not seq.is_prefilling or seq.approximate or seq.unpublishable or seq.blend_plan is not None:
+            return None
+        return self.pending_block(seq, seq.num_inserted_blocks * self.block_size)
+
     def _matchable(self, seq: Sequence) -> list[int]:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]

@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=positive_int, default=None,
                        help="context length limit (default: the model's maximum)")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching, for a baseline (default: prefix caching on)")
+    serve.add_argument("--no-prefill-dedup", action="store_true",
+                       help="admit a request whose next uncached block another request is computing at once, "
+                            "computing it twice, for a baseline (default: it waits one step and hits it)")
     serve.add_argument("--hash", dest="hash_algo", default=defaults.hash_algo, choices=["xxh3_128", "sha256"],
                        help="hash that names KV blocks by their token prefix")
     serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
@@ -219,6 +222,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
+        dedup_prefill=not args.no_prefill_dedup,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,

@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget per scheduler step (chunked prefill)
     max_model_len: int | None = None  # default: the model's max positions
     enable_prefix_cache: bool = True
+    dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
     hash_algo: str = "xxh3_128"
     eviction_policy: str = "lru"
     seed: int = 0

@@ -73,7 +73,7 @@ class LLMEngine:
             key_shift=load_or_calibrate(self.model, self.tokenizer, path, dtype, config.device)
             if config.blend_key_shift else None)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.blender, config.enable_blend)
+                                   self.blender, config.enable_blend, config.dedup_prefill)
         self.runner = ModelRunner(self.model, self.kv, bs, config.device)
         self.sampler = Sampler()
         self.eos_ids = set(mc.eos_token_ids)

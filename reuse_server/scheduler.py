@@ -5,6 +5,12 @@ sequences when blocks run out), prefilling ones take a chunk, and waiting ones a
 budget, the sequence cap and the pool allow. Waiting requests go longest-cached-prefix first (their
 prefill is cheapest and their cached blocks are the likeliest to be evicted if they wait), except that
 anyone passed over too often goes first, so nothing starves.
+
+A waiting request whose first uncached block is the block another request is computing right now (the same
+tokens before it: a burst of requests with one system prompt, an agent's parallel branches) waits instead
+of computing it too: once the other request hands its blocks to the tree, the waiting one hits them
+(`dedup_prefill`; SGLang calls this in-batch prefix caching). The one it waits for is running, so it
+always progresses; if it is preempted or aborted, the wait ends with it.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 blender=None, blend_default: bool = False) -> None:
+                 blender=None, blend_default: bool = False, dedup_prefill: bool = True) -> None:
         self.blocks = blocks
+        self.dedup_prefill = dedup_prefill
         self.blender = blender
         self.blend_default = blend_default
         self.max_num_seqs = max_num_seqs
@@ -86,9 +93,12 @@ class Scheduler:
             # seq itself was preempted; the loop index now points at the next one
 
         # Admit waiting sequences.
+        in_flight = self._blocks_in_flight()
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if in_flight and not self.blends(seq) and self.blocks.next_uncached_block(seq) in in_flight:
+                continue  # another request is computing its next block: hit it next step instead
             approximate_key = self.blender.approximate_key(seq) if self.blends(seq) else None
             if not self.blocks.admit(seq, budget, approximate_key):
                 break  # the pool is full: wait for blocks to come back
@@ -103,7 +113,15 @@ class Scheduler:
             n = remaining if seq.blend_plan is not None else min(remaining, budget)
             batch.append(ScheduledChunk(seq, n))
             budget -= n
+            if in_flight is not None and (key := self.blocks.block_in_flight(seq)) is not None:
+                in_flight.add(key)
         return batch
+
+    def _blocks_in_flight(self) -> set | None:
+        """The pending_block keys of the blocks running requests are computing into the exact tree."""
+        if not self.dedup_prefill:
+            return None
+        return {key for seq in self.running if (key := self.blocks.block_in_flight(seq)) is not None}
 
     def blends(self, seq: Sequence) -> bool:
         return self.blender is not None and (self.blend_default if seq.cache.blend is None else seq.cache.blend)

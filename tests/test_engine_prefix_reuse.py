@@ -184,3 +184,76 @@ def test_a_prompt_sharing_only_part_of_the_first_block_is_computed_whole(checkpo
     second = first[:3] + [rng.randrange(3, engine.vocab_size) for _ in range(17)]
     out = run_one_by_one(engine, [("a", first), ("b", second)])
     assert out["b"][2].cached_tokens == 0
+
+
+def computed_tokens(engine: LLMEngine, requests, after_each_step=None) -> tuple[dict, int]:
+    """run_to_end, also counting the prompt tokens the model computed (every scheduled chunk's tokens)."""
+    total = [0]
+    real = engine.runner.run
+
+    def counting(chunks, want):
+        total[0] += sum(c.num_tokens for c in chunks)
+        return real(chunks, want)
+
+    engine.runner.run = counting
+    results = run_to_end(engine, requests, after_each_step=after_each_step)
+    decode = sum(len(ids) - 1 for ids, _, _ in results.values())  # each generated token but the last is fed back
+    return results, total[0] - decode
+
+
+def test_a_burst_sharing_an_uncached_prefix_computes_it_once(checkpoint):
+    """Four requests with one 48-token system prompt arrive together into an empty cache: with a budget that
+    fits them all in one step, they would all compute the prompt. The first computes it; the others wait one
+    step and hit it, and their text is what each gets alone without any cache."""
+    rng = random.Random(11)
+    stem = [rng.randrange(3, 200) for _ in range(48)]  # 12 full blocks
+    burst = [(f"r{i}", stem + [rng.randrange(3, 200) for _ in range(5)]) for i in range(4)]
+
+    deduped = make_engine(checkpoint, max_num_batched_tokens=1024)
+    got, computed = computed_tokens(deduped, burst, after_each_step=lambda e: e.cache.check_invariants())
+    assert computed == 48 + 4 * 5  # the stem once, every tail
+    assert sorted(out.cached_tokens for _, _, out in got.values()) == [0, 48, 48, 48]
+
+    both = make_engine(checkpoint, max_num_batched_tokens=1024, dedup_prefill=False)
+    _, computed_twice = computed_tokens(both, burst)
+    assert computed_twice == 4 * 53  # the baseline: everyone computes the stem in the same step
+
+    alone = run_one_by_one(make_engine(checkpoint, prefix=False), burst)
+    for rid, _ in burst:
+        assert got[rid][0] == alone[rid][0]
+        assert_logprobs_close(got[rid][1], alone[rid][1])
+    assert deduped.snapshot()["in_use_blocks"] == 0
+
+
+def test_a_request_waits_only_for_the_blocks_it_shares(checkpoint):
+    """The second request shares 2 of the first's 6 full blocks, then diverges: although the step has budget
+    for both, it waits while the first computes them, then computes everything after them itself."""
+    rng = random.Random(12)
+    shared = [rng.randrange(3, 200) for _ in range(8)]
+    first = shared + [rng.randrange(3, 200) for _ in range(17)]
+    second = shared + [rng.randrange(3, 200) for _ in range(9)]
+    engine = make_engine(checkpoint, max_num_batched_tokens=40)
+    got, computed = computed_tokens(engine, [("first", first), ("second", second)])
+    assert got["second"][2].cached_tokens == 8
+    assert computed == len(first) + len(second) - 8
+
+
+def test_a_request_waits_with_budget_left_only_while_its_block_is_being_computed(checkpoint):
+    """Step by step: the follower shares the leader's whole 40-token stem. It is held back while the leader
+    computes the stem's last chunk although the step has budget for it, and admitted the step after, when it
+    hits all 40 tokens."""
+    stem = list(range(3, 3 + 40))
+    engine = make_engine(checkpoint, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("leader", stem + [60], params)
+    engine.step()  # the leader's first 32 tokens: the whole budget
+    engine.add_request("follower", stem + [61], params)
+    engine.step()  # the leader's last 9 tokens; 23 tokens of budget are left
+    assert [s.request_id for s in engine.scheduler.running] == ["leader"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["follower"]
+    finished = {}
+    while engine.has_work():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert finished["follower"].cached_tokens == 40
+    assert engine.snapshot()["in_use_blocks"] == 0
