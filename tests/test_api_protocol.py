@@ -12,7 +12,8 @@ from reuse_server.api.chat import chat_chunks
 from reuse_server.api.chat_template import PART_SEPARATOR, conversation, render_chat_prompt
 from reuse_server.api.completions import completion_chunks, completion_prompt
 from reuse_server.api.errors import describe_validation_error
-from reuse_server.api.generation import SSE_DONE, cache_options, check_common, sampling_params, sse_events
+from reuse_server.api.generation import (SSE_DONE, cache_options, check_common, choice_params, interleave,
+                                         sampling_params, sse_events)
 from reuse_server.api.prompt_chunks import leading_special_tokens
 from reuse_server.api.protocol import CacheChunksRequest, ChatCompletionRequest, CompletionRequest
 from reuse_server.outputs import RequestOutput, TokenLogprob
@@ -129,9 +130,11 @@ def test_sampling_params_mapping_and_ranges():
 
 
 def test_n_and_stream_options_checks():
-    with pytest.raises(InvalidRequest) as err:
-        check_common(CompletionRequest(prompt="x", n=3))
-    assert err.value.param == "n"
+    for n in (0, 17):
+        with pytest.raises(InvalidRequest) as err:
+            check_common(CompletionRequest(prompt="x", n=n))
+        assert err.value.param == "n"
+    check_common(CompletionRequest(prompt="x", n=16))
     with pytest.raises(InvalidRequest) as err:
         check_common(CompletionRequest(prompt="x", stream_options={"include_usage": True}))
     assert err.value.param == "stream_options"
@@ -272,7 +275,7 @@ async def _aiter(items):
 
 def _frames(chunks_factory, items):
     async def run():
-        outputs = _aiter(items)
+        outputs = interleave([_aiter(items)])
         return [frame async for frame in sse_events(chunks_factory(outputs), outputs)]
 
     frames = asyncio.run(run())
@@ -282,7 +285,7 @@ def _frames(chunks_factory, items):
 
 
 def test_chat_stream_frames_match_openai():
-    events = _frames(lambda o: chat_chunks(o, "chatcmpl-1", 123, "m", True, False), _outputs(["Hel", "", "lo"]))
+    events = _frames(lambda o: chat_chunks(o, 1, "chatcmpl-1", 123, "m", True, False), _outputs(["Hel", "", "lo"]))
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-1" and e["model"] == "m"
                for e in events)
@@ -299,7 +302,7 @@ def test_chat_stream_frames_match_openai():
 
 
 def test_chat_stream_without_usage_and_with_logprobs():
-    events = _frames(lambda o: chat_chunks(o, "c", 1, "m", False, True), _outputs(["a", "b"], "stop", logprobs=True))
+    events = _frames(lambda o: chat_chunks(o, 1, "c", 1, "m", False, True), _outputs(["a", "b"], "stop", logprobs=True))
     assert all("usage" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "stop"
     content = [e["choices"][0]["logprobs"]["content"][0] for e in events[1:-1]]
     assert [c["token"] for c in content] == ["a", "b"]
@@ -307,7 +310,7 @@ def test_chat_stream_without_usage_and_with_logprobs():
 
 
 def test_completion_stream_frames():
-    events = _frames(lambda o: completion_chunks(o, "cmpl-1", 5, "m", True, True),
+    events = _frames(lambda o: completion_chunks(o, 1, "cmpl-1", 5, "m", True, True),
                      _outputs(["ab", "c"], "stop", logprobs=True))
     assert all(e["object"] == "text_completion" for e in events)
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["ab", "c", ""]
@@ -319,7 +322,7 @@ def test_completion_stream_frames():
 @pytest.mark.parametrize("error, expected_type", [(InvalidRequest("too long", "prompt"), "invalid_request_error"),
                                                   (RuntimeError("boom"), "server_error")])
 def test_error_after_stream_started_is_an_error_event(error, expected_type):
-    events = _frames(lambda o: chat_chunks(o, "c", 1, "m", True, False), [*_outputs(["a", "b"])[:1], error])
+    events = _frames(lambda o: chat_chunks(o, 1, "c", 1, "m", True, False), [*_outputs(["a", "b"])[:1], error])
     assert events[-1]["error"]["type"] == expected_type
     assert "boom" not in json.dumps(events[-1])  # internals stay in the log
 
@@ -335,11 +338,45 @@ def test_closing_the_stream_closes_the_engine_iterator():
             closed.append(True)
 
     async def run():
-        outputs = engine_outputs()
-        events = sse_events(chat_chunks(outputs, "c", 1, "m", False, False), outputs)
+        outputs = interleave([engine_outputs()])
+        events = sse_events(chat_chunks(outputs, 1, "c", 1, "m", False, False), outputs)
         await events.__anext__()
         await events.__anext__()
         await events.aclose()  # what SSEResponse does when the client goes away mid-stream
 
     asyncio.run(run())
     assert closed == [True]
+
+
+def test_interleaved_choices_are_tagged_and_closing_closes_them_all():
+    closed = []
+
+    async def engine_outputs(name, texts):
+        try:
+            for out in _outputs(texts):
+                await asyncio.sleep(0)
+                yield out
+        finally:
+            closed.append(name)
+
+    async def run(read_all):
+        merged = interleave([engine_outputs("a", ["x", "y", "z"]), engine_outputs("b", ["p", "q"])])
+        if read_all:
+            return [(i, out.new_text) async for i, out in merged]
+        first = await merged.__anext__()
+        await merged.aclose()  # the client left
+        return [first]
+
+    got = asyncio.run(run(True))
+    assert [t for i, t in got if i == 0] == ["x", "y", "z"] and [t for i, t in got if i == 1] == ["p", "q"]
+    assert sorted(closed) == ["a", "b"]
+    closed.clear()
+    assert len(asyncio.run(run(False))) == 1
+    assert sorted(closed) == ["a", "b"]  # both engine requests were closed, so both are aborted
+
+
+def test_each_choice_gets_its_own_seed():
+    params = sampling_params(CompletionRequest(prompt="x", seed=7, temperature=1.0), 16, None)
+    assert [p.seed for p in choice_params(params, 3)] == [7, 8, 9]
+    assert [p.seed for p in choice_params(sampling_params(CompletionRequest(prompt="x"), 16, None), 2)] == [None, None]
+    assert choice_params(sampling_params(CompletionRequest(prompt="x", seed=2**64 - 1), 16, None), 2)[1].seed == 2**64 - 2

@@ -132,6 +132,64 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert cached(cache_salt="tenant-a")[1] == second
 
 
+def test_several_choices_share_one_prefill(server, client):
+    """n=3 sampled choices: three indexed choices, the prompt counted once in usage and computed once (the
+    other two choices wait a step and hit it), each choice reproducible from the request's seed."""
+    wait_idle(server)
+    prompt = unique_text(60)
+    before = scrape(server)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=8, n=3, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kwargs)
+    after = scrape(server)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.completion_tokens == 24 and resp.usage.total_tokens == resp.usage.prompt_tokens + 24
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0  # the choice that computed the prompt
+    assert len({c.text for c in resp.choices}) > 1  # one seed per choice, not the same draw three times
+    hits = metric(after, "kvreuse_prefix_cache_hits_total") - metric(before, "kvreuse_prefix_cache_hits_total")
+    full_blocks = (resp.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert hits >= 2 * full_blocks
+    assert [c.text for c in client.completions.create(**kwargs).choices] == [c.text for c in resp.choices]
+    greedy = client.completions.create(**{**kwargs, "temperature": 0, "seed": None})
+    assert len({c.text for c in greedy.choices}) == 1
+
+
+def test_several_choices_stream_interleaved(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name three caches."}], max_tokens=6, n=2,
+                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    by_index = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        by_index[choice.index].append(choice)
+    for i, parts in by_index.items():
+        assert parts[0].delta.role == "assistant"
+        assert [p.finish_reason for p in parts if p.finish_reason] == ["length"] and parts[-1].finish_reason
+        assert "".join(p.delta.content or "" for p in parts) == full.choices[i].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_stream_disconnect_aborts_every_choice(server):
+    before = wait_idle(server)
+    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "n": 2}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = set()
+            while seen != {0, 1}:  # both choices are generating
+                line = next(lines)
+                if line.startswith("data: "):
+                    seen.update(c["index"] for c in json.loads(line[len("data: "):])["choices"])
+            assert metric(scrape(server), "kvreuse_requests_running") == 2
+    after = wait_idle(server)
+    assert metric(after, "kvreuse_kv_blocks", state="in_use") == 0 and metric(after, "kvreuse_requests_running") == 0
+    assert _aborted(after) - _aborted(before) == 2
+
+
 def test_logit_bias_and_penalties_steer_generation(client, tokenizer):
     """A +100 bias makes greedy decoding emit that token every time; a frequency penalty stops greedy
     decoding from repeating one token forever (the unpenalized run of this random model does repeat)."""
@@ -229,7 +287,9 @@ ERROR_CASES = [
     ("batched-prompt", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None, ["2 prompts"]),
     ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", None, ["empty"]),
     ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 10**7]}, 400, "prompt", None, [str(10**7)]),
-    ("n-2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None, ["n=2"]),
+    ("n-17", "/v1/completions", {"prompt": "x", "n": 17}, 400, "n", None, ["n=17", "16"]),
+    ("n-0", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", None,
+     ["n=0"]),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", None, ["echo"]),
     ("temperature", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature", None, ["3"]),
     ("max-tokens-0", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None, ["max_tokens"]),

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
-                                         sampling_params, sse_events, usage_from)
+                                         generate_choices, sampling_params, sse_events, usage_from)
 from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob)
@@ -57,38 +57,42 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body, chunk_spans))
+    n = body.n or 1
+    outputs = generate_choices(engine, request_id, prompt_ids, params, cache_options(body, chunk_spans), n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = chat_chunks(outputs, request_id, created, engine.model_id, include_usage, logprobs is not None)
+        chunks = chat_chunks(outputs, n, request_id, created, engine.model_id, include_usage, logprobs is not None)
         return SSEResponse(sse_events(chunks, outputs))
 
-    results = await collect(outputs, request)
-    last = results[-1]
-    choice_logprobs = None
-    if logprobs is not None:
-        choice_logprobs = chat_logprobs([lp for out in results for lp in out.logprobs or []])
-    response = ChatCompletionResponse(
-        id=request_id, created=created, model=engine.model_id, usage=usage_from(last),
-        choices=[ChatChoice(message=AssistantMessage(content="".join(out.new_text for out in results)),
-                            logprobs=choice_logprobs, finish_reason=last.finish_reason)])
+    choices = []
+    per_choice = await collect(outputs, n, request)
+    for i, results in enumerate(per_choice):
+        choice_logprobs = None
+        if logprobs is not None:
+            choice_logprobs = chat_logprobs([lp for out in results for lp in out.logprobs or []])
+        choices.append(ChatChoice(index=i, message=AssistantMessage(content="".join(out.new_text for out in results)),
+                                  logprobs=choice_logprobs, finish_reason=results[-1].finish_reason))
+    response = ChatCompletionResponse(id=request_id, created=created, model=engine.model_id, choices=choices,
+                                      usage=usage_from([results[-1] for results in per_choice]))
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def chat_chunks(outputs: AsyncIterator[RequestOutput], request_id: str, created: int, model: str,
-                      include_usage: bool, want_logprobs: bool) -> AsyncIterator[ChatCompletionChunk]:
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
+async def chat_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, request_id: str, created: int,
+                      model: str, include_usage: bool, want_logprobs: bool) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(i: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
-            ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    last = None
-    async for out in outputs:
-        last = out
+    for i in range(n):
+        yield chunk(i, DeltaMessage(role="assistant", content=""))
+    lasts: dict[int, RequestOutput] = {}
+    async for i, out in outputs:
+        lasts[i] = out
         if out.new_text or out.logprobs:
             logprobs = chat_logprobs(out.logprobs or []) if want_logprobs else None
-            yield chunk(DeltaMessage(content=out.new_text), logprobs=logprobs)
+            yield chunk(i, DeltaMessage(content=out.new_text), logprobs=logprobs)
         if out.finished:
-            yield chunk(DeltaMessage(), finish_reason=out.finish_reason)
-    if include_usage and last is not None:
-        yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage_from(last))
+            yield chunk(i, DeltaMessage(), finish_reason=out.finish_reason)
+    if include_usage and lasts:
+        yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                  usage=usage_from(list(lasts.values())))

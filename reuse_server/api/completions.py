@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from blend.chunking import split_by_separator, tokenize_chunks
 
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
-                                         sampling_params, sse_events, usage_from)
+                                         generate_choices, sampling_params, sse_events, usage_from)
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from reuse_server.outputs import RequestOutput, TokenLogprob
@@ -66,39 +66,44 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    outputs = engine.generate(request_id, prompt_ids, params, cache_options(body, chunk_spans))
+    n = body.n or 1
+    outputs = generate_choices(engine, request_id, prompt_ids, params, cache_options(body, chunk_spans), n)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = completion_chunks(outputs, request_id, created, engine.model_id, include_usage,
+        chunks = completion_chunks(outputs, n, request_id, created, engine.model_id, include_usage,
                                    params.logprobs is not None)
         return SSEResponse(sse_events(chunks, outputs))
 
-    results = await collect(outputs, request)
-    last = results[-1]
-    logprobs = None
-    if params.logprobs is not None:
-        logprobs = completion_logprobs([lp for out in results for lp in out.logprobs or []])
-    response = CompletionResponse(
-        id=request_id, created=created, model=engine.model_id, usage=usage_from(last),
-        choices=[CompletionChoice(text="".join(out.new_text for out in results), logprobs=logprobs,
-                                  finish_reason=last.finish_reason)])
+    choices = []
+    per_choice = await collect(outputs, n, request)
+    for i, results in enumerate(per_choice):
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = completion_logprobs([lp for out in results for lp in out.logprobs or []])
+        choices.append(CompletionChoice(index=i, text="".join(out.new_text for out in results), logprobs=logprobs,
+                                        finish_reason=results[-1].finish_reason))
+    response = CompletionResponse(id=request_id, created=created, model=engine.model_id, choices=choices,
+                                  usage=usage_from([results[-1] for results in per_choice]))
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def completion_chunks(outputs: AsyncIterator[RequestOutput], request_id: str, created: int, model: str,
-                            include_usage: bool, want_logprobs: bool) -> AsyncIterator[CompletionResponse]:
-    def chunk(text: str, finish_reason: str | None = None, logprobs=None) -> CompletionResponse:
+async def completion_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, request_id: str,
+                            created: int, model: str, include_usage: bool,
+                            want_logprobs: bool) -> AsyncIterator[CompletionResponse]:
+    def chunk(i: int, text: str, finish_reason: str | None = None, logprobs=None) -> CompletionResponse:
         return CompletionResponse(id=request_id, created=created, model=model, choices=[
-            CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
+            CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish_reason)])
 
-    last, offset = None, 0
-    async for out in outputs:
-        last = out
+    lasts: dict[int, RequestOutput] = {}
+    offsets = [0] * n
+    async for i, out in outputs:
+        lasts[i] = out
         if out.new_text or out.logprobs:
-            logprobs = completion_logprobs(out.logprobs or [], offset) if want_logprobs else None
-            offset += sum(len(lp.token) for lp in out.logprobs or [])
-            yield chunk(out.new_text, logprobs=logprobs)
+            logprobs = completion_logprobs(out.logprobs or [], offsets[i]) if want_logprobs else None
+            offsets[i] += sum(len(lp.token) for lp in out.logprobs or [])
+            yield chunk(i, out.new_text, logprobs=logprobs)
         if out.finished:
-            yield chunk("", finish_reason=out.finish_reason)
-    if include_usage and last is not None:
-        yield CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage_from(last))
+            yield chunk(i, "", finish_reason=out.finish_reason)
+    if include_usage and lasts:
+        yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                 usage=usage_from(list(lasts.values())))

@@ -1,8 +1,12 @@
-"""Plumbing shared by both endpoints: request fields -> engine arguments, running a request to completion
-(aborting it if the client leaves), and Server-Sent Events framing."""
+"""Plumbing shared by both endpoints: request fields -> engine arguments, running a request's choices to
+completion (aborting them if the client leaves), and Server-Sent Events framing.
+
+A request with n choices is n engine requests with the same prompt: prefill dedup and the prefix cache make
+the prompt's KV computed once (the first choice computes it, the others wait a step and hit it)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from contextlib import aclosing
@@ -28,9 +32,12 @@ def check_model(body: GenerationRequest, served: str) -> None:
         raise ModelNotFound(body.model, served)
 
 
+MAX_CHOICES = 16
+
+
 def check_common(body: GenerationRequest) -> None:
-    if body.n not in (None, 1):
-        raise InvalidRequest(f"Only n=1 is supported, got n={body.n}.", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got n={body.n}.", "n")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true.", "stream_options")
 
@@ -80,15 +87,73 @@ def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = 
     )
 
 
-def usage_from(out: RequestOutput) -> Usage:
+def usage_from(lasts: list[RequestOutput]) -> Usage:
+    """Usage of a request from its choices' last outputs: the prompt counted once, with the cache figures of
+    the choice that computed the most of it; completion tokens summed over the choices."""
+    computed = min(lasts, key=lambda out: out.cached_tokens)
+    completion = sum(out.num_output_tokens for out in lasts)
     return Usage(
-        prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=out.num_output_tokens,
-        total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+        prompt_tokens=computed.num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=computed.num_prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=out.cached_tokens, blended_tokens=out.blended_tokens,
-            recomputed_tokens=out.recomputed_tokens),
+            cached_tokens=computed.cached_tokens, blended_tokens=computed.blended_tokens,
+            recomputed_tokens=computed.recomputed_tokens),
     )
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice. With a seed, choice i samples with seed + i: one seed for all would draw
+    the same tokens n times."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i if params.seed + i < 2**64 else params.seed - i)
+            for i in range(n)]
+
+
+def generate_choices(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     cache: CacheOptions, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Start the n choices of a request; their outputs as they come, each with its choice index."""
+    return interleave([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, cache)
+                       for i, p in enumerate(choice_params(params, n))])
+
+
+async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) of several output streams as they come; an error in any is raised here. Closing this
+    iterator closes every stream, which aborts every unfinished choice."""
+    if len(streams) == 1:  # no tasks or queue for the usual case
+        async with aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def until_done_or_disconnected(awaitable: Awaitable[T], request: Request) -> T:
@@ -109,11 +174,15 @@ async def until_done_or_disconnected(awaitable: Awaitable[T], request: Request) 
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def collect(outputs: AsyncIterator[RequestOutput], request: Request) -> list[RequestOutput]:
-    """All outputs of a request; the request is aborted if the client leaves first."""
+async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int,
+                  request: Request) -> list[list[RequestOutput]]:
+    """All outputs of each of a request's n choices; they are aborted if the client leaves first."""
 
-    async def drain() -> list[RequestOutput]:
-        return [out async for out in outputs]
+    async def drain() -> list[list[RequestOutput]]:
+        per_choice: list[list[RequestOutput]] = [[] for _ in range(n)]
+        async for i, out in outputs:
+            per_choice[i].append(out)
+        return per_choice
 
     try:
         return await until_done_or_disconnected(drain(), request)
@@ -132,7 +201,7 @@ def sse(payload: BaseModel | dict | str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def sse_events(chunks: AsyncIterator[BaseModel], outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+async def sse_events(chunks: AsyncIterator[BaseModel], outputs: AsyncIterator) -> AsyncIterator[str]:
     """Frame chunk models as SSE and end with [DONE]. An error after the 200 has gone out can only be
     reported in-band, as an OpenAI-style error event."""
     try:
