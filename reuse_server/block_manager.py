@@ -63,9 +63,10 @@ class BlockManager:
             return None
         return seq.extra_key, depth, hash(tuple(seq.prompt_ids[:end]))
 
-    def next_uncached_block(self, seq: Sequence) -> tuple | None:
-        """For a waiting seq: the pending_block key of the first block the cache cannot serve now."""
-        return self.pending_block(seq, self.peek_cached(seq))
+    def next_uncached_block(self, seq: Sequence, cached_tokens: int | None = None) -> tuple | None:
+        """For a waiting seq: the pending_block key of the first block the cache cannot serve now
+        (`cached_tokens`: peek_cached(seq), if already looked up in this step)."""
+        return self.pending_block(seq, self.peek_cached(seq) if cached_tokens is None else cached_tokens)
 
     def block_in_flight(self, seq: Sequence) -> tuple | None:
         """For an admitted seq still computing its prompt into the exact tree: the pending_block key of its

@@ -94,10 +94,12 @@ class Scheduler:
 
         # Admit waiting sequences.
         in_flight = self._blocks_in_flight()
-        for seq in self._admission_order():
+        order, cached = self._admission_order()
+        for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if in_flight and not self.blends(seq) and self.blocks.next_uncached_block(seq) in in_flight:
+            if (in_flight and not self.blends(seq)
+                    and self.blocks.next_uncached_block(seq, cached.get(id(seq))) in in_flight):
                 continue  # another request is computing its next block: hit it next step instead
             approximate_key = self.blender.approximate_key(seq) if self.blends(seq) else None
             if not self.blocks.admit(seq, budget, approximate_key):
@@ -140,10 +142,11 @@ class Scheduler:
         seq.blend_plan = plan
         return True
 
-    def _admission_order(self) -> list[Sequence]:
+    def _admission_order(self) -> tuple[list[Sequence], dict[int, int]]:
+        """The waiting sequences in admission order, and {id(seq): cached tokens} where that was looked up."""
         queue = list(self.waiting)
         if len(queue) <= 1 or len(queue) > CACHE_AWARE_QUEUE_LIMIT:
-            return queue
+            return queue, {}
         starved = [s for s in queue if s.skipped >= MAX_SKIPS or s.num_preemptions]
         rest = [s for s in queue if not (s.skipped >= MAX_SKIPS or s.num_preemptions)]
         cached = {id(s): self.blocks.peek_cached(s) for s in rest}
@@ -155,4 +158,4 @@ class Scheduler:
             if latest_ahead > seq.arrival:
                 seq.skipped += 1
             latest_ahead = max(latest_ahead, seq.arrival)
-        return order
+        return order, cached
