@@ -121,7 +121,7 @@ class Scheduler:
 
     def _blocks_in_flight(self) -> set | None:
         """The pending_block keys of the blocks running requests are computing into the exact tree."""
-        if not self.dedup_prefill:
+        if not self.dedup_prefill or not self.waiting:
             return None
         return {key for seq in self.running if (key := self.blocks.block_in_flight(seq)) is not None}
 
