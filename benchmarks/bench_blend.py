@@ -46,7 +46,7 @@ class CapturingSampler(Sampler):
     def sample(self, logits, request_ids, params, histories=None):
         for row, rid in enumerate(request_ids):
             self.first_logits.setdefault(rid, logits[row].float().clone())
-        return super().sample(logits, request_ids, params)
+        return super().sample(logits, request_ids, params, histories)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import statistics
 import pytest
 import torch
 
+from benchmarks.bench_blend import CapturingSampler, kl
 from blend.chunking import encode, render_chat_chunks
 from blend.key_shift import unrope
 from reuse_server.api.chat_template import user_turn_opening
@@ -14,7 +15,6 @@ from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
 from reuse_server.key_shift_calibration import calibration_chats, load_or_calibrate
 from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
-from reuse_server.sampler import Sampler
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 from test_engine_blend import BS, build_prompt, generate, make_engine, passages
 from tiny_checkpoint import write_tiny_checkpoint
@@ -121,25 +121,9 @@ NEEDLE = "The access code for the Orion project is 4812."
 QUESTION = "What is the access code for the Orion project?"
 
 
-class FirstLogits(Sampler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first: dict[str, torch.Tensor] = {}
-
-    def sample(self, logits, request_ids, params, histories=None):
-        for row, rid in enumerate(request_ids):
-            self.first.setdefault(rid, logits[row].float().clone())
-        return super().sample(logits, request_ids, params)
-
-
-def kl(p: torch.Tensor, q: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
-    return float((lp.exp() * (lp - lq)).sum())
-
-
 def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
     tok = engine.tokenizer
-    engine.sampler = sampler = FirstLogits()
+    engine.sampler = sampler = CapturingSampler()
     opening = user_turn_opening(tok)
     texts = HELD_OUT[:2] + [HELD_OUT[2].replace(". ", f". {NEEDLE} ", 1)] + HELD_OUT[3:]  # a needle in passage 2
     for i, text in enumerate(texts):  # precomputed alone after the opening, as POST /v1/cache/chunks does
@@ -165,7 +149,7 @@ def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
                                CacheOptions(prefix_cache=False, chunk_spans=spans, blend=blend, recompute_ratio=ratio))
             while engine.has_work():
                 engine.step()
-        kls.append(kl(sampler.first[f"full-{tag}"], sampler.first[f"blend-{tag}"]))
+        kls.append(kl(sampler.first_logits[f"full-{tag}"], sampler.first_logits[f"blend-{tag}"]))
     return kls
 
 
