@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["onednn", "torch"],
                        help="on the CPU, run linear layers through oneDNN on weights reordered once at start "
                             "(onednn; ~2x faster decode than MKL on AMD CPUs) or through torch's F.linear")
+    serve.add_argument("--cpu-attention", default=defaults.cpu_attention, choices=["native", "torch"],
+                       help="on the CPU in float32, attend through the paged attention kernel, built once with the "
+                            "host's C++ compiler and reading K/V in place (native; torch's attention where it cannot "
+                            "be built), or through torch's scaled_dot_product_attention on gathered K/V (torch)")
     serve.add_argument("--block-size", type=block_size, default=defaults.block_size,
                        help="tokens per KV cache block (a power of two, 1..512)")
     serve.add_argument("--num-gpu-blocks", type=positive_int, default=None,
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        cpu_matmul=args.cpu_matmul, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,

@@ -11,6 +11,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     cpu_matmul: str = "onednn"  # onednn: linear layers on pre-reordered weights (model/cpu_linear.py); torch: F.linear
+    cpu_attention: str = "native"  # native: the paged attention kernel (model/cpu_attention.cpp); torch: SDPA
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool

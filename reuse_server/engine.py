@@ -47,6 +47,11 @@ class LLMEngine:
             self.model.pack_for_cpu()
         elif config.cpu_matmul != "torch":
             raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose onednn or torch")
+        if config.cpu_attention not in ("native", "torch"):
+            raise ValueError(f"unknown cpu_attention {config.cpu_attention!r}; choose native or torch")
+        # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
+        on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
+        self.attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and self.model.use_cpu_attention_kernel()
         self.tokenizer = load_tokenizer(path)
         self.model_id = config.served_model_name or _default_model_id(config.model)
         mc = self.model_config

@@ -1,5 +1,6 @@
 """Our paged Llama-family forward gives transformers' logits (same weights, eager attention, fp32) for
-prefill, decode, chunked prefill, mixed batches and non-contiguous query positions.
+prefill, decode, chunked prefill, mixed batches and non-contiguous query positions, through the CPU
+attention kernel (what the engine uses in fp32 on the CPU) and through torch's attention (its fallback).
 
 Tolerance: max |ours - reference| / max |reference| <= 1e-4."""
 
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reuse_server.kv_pool import KVPool
-from reuse_server.model import AttentionMetadata, attention, load_model
+from reuse_server.model import AttentionMetadata, attention, cpu_attention, load_model
 from tiny_checkpoint import write_tiny_checkpoint
 
 REL_TOL = 1e-4
@@ -93,16 +94,18 @@ def checkpoints(tmp_path_factory, tiny_llama_path, tiny_qwen2_path):
 _loaded: dict = {}
 
 
-def models(checkpoints, name, packed=True):
+def models(checkpoints, name, packed=True, attention="torch"):
     """Our model as the engine serves it (linear layers packed for oneDNN where it applies), or on plain
-    F.linear with packed=False; and transformers' reference."""
-    if (name, packed) not in _loaded:
+    F.linear with packed=False, attending through the CPU kernel (attention="kernel") or torch; and
+    transformers' reference."""
+    if (name, packed, attention) not in _loaded:
         ours, config = load_model(checkpoints[name])
         if packed:
             ours.pack_for_cpu()
+        assert ours.use_cpu_attention_kernel(attention == "kernel") == (attention == "kernel"), cpu_attention.failure()
         ref = AutoModelForCausalLM.from_pretrained(checkpoints[name], attn_implementation="eager", dtype=torch.float32)
-        _loaded[name, packed] = (ours, config, ref.eval())
-    return _loaded[name, packed]
+        _loaded[name, packed, attention] = (ours, config, ref.eval())
+    return _loaded[name, packed, attention]
 
 
 def reference_logits(ref, token_ids: list[int]) -> torch.Tensor:
@@ -115,21 +118,24 @@ def new_pool(config, num_blocks=64) -> KVPool:
 
 
 ALL = ["llama", "qwen2", "llama-tied-mha", "llama3-rope", "mistral-sliding"]
+ATTENTION = ["kernel", "torch"]
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch-linear"])
 @pytest.mark.parametrize("name", ALL)
-def test_prefill_matches_transformers(checkpoints, name, packed):
-    ours, config, ref = models(checkpoints, name, packed)
+def test_prefill_matches_transformers(checkpoints, name, packed, attention):
+    ours, config, ref = models(checkpoints, name, packed, attention)
     pool = new_pool(config)
     (seq,) = make_sequences([37], pool, config.vocab_size, seed=10)
     logits = run_step(ours, pool, [(seq, list(range(37)), 37)])
     assert rel_err(logits, reference_logits(ref, seq.token_ids)) <= REL_TOL
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ALL)
-def test_decode_matches_transformers(checkpoints, name):
-    ours, config, ref = models(checkpoints, name)
+def test_decode_matches_transformers(checkpoints, name, attention):
+    ours, config, ref = models(checkpoints, name, attention=attention)
     pool = new_pool(config)
     (seq,) = make_sequences([24], pool, config.vocab_size, seed=11)
     prompt_len = 19
@@ -140,13 +146,13 @@ def test_decode_matches_transformers(checkpoints, name):
         assert rel_err(step_logits, expected) <= REL_TOL, f"decode step at position {p}"
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["gqa-folded", "gqa-heads"])
+@pytest.mark.parametrize("path", ["kernel", "torch-gqa-folded", "torch-gqa-heads"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
-def test_chunked_prefill_matches_transformers(checkpoints, name, fold, monkeypatch):
-    """Chunks of a few rows fold the query heads of a KV head into rows (attention.FOLD_MAX_ROWS); with
-    folding off they take SDPA's GQA path. Both must give transformers' logits."""
-    monkeypatch.setattr(attention, "FOLD_MAX_ROWS", attention.FOLD_MAX_ROWS if fold else 0)
-    ours, config, ref = models(checkpoints, name)
+def test_chunked_prefill_matches_transformers(checkpoints, name, path, monkeypatch):
+    """Chunks of a few rows: the kernel; torch's path folds the query heads of a KV head into rows
+    (attention.FOLD_MAX_ROWS), or with folding off takes SDPA's GQA path. All give transformers' logits."""
+    monkeypatch.setattr(attention, "FOLD_MAX_ROWS", 0 if path == "torch-gqa-heads" else attention.FOLD_MAX_ROWS)
+    ours, config, ref = models(checkpoints, name, attention="kernel" if path == "kernel" else "torch")
     pool = new_pool(config)
     (seq,) = make_sequences([23], pool, config.vocab_size, seed=12)
     chunks, start, pieces = [5, 11, 7], 0, []  # boundaries 5 and 16 fall inside blocks of 4
@@ -157,10 +163,11 @@ def test_chunked_prefill_matches_transformers(checkpoints, name, fold, monkeypat
     assert rel_err(torch.cat(pieces), reference_logits(ref, seq.token_ids)) <= REL_TOL
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope"])
-def test_mixed_batch_matches_transformers(checkpoints, name):
+def test_mixed_batch_matches_transformers(checkpoints, name, attention):
     """A full prefill, a decode step, a middle prefill chunk and a one-token prompt in one forward."""
-    ours, config, ref = models(checkpoints, name)
+    ours, config, ref = models(checkpoints, name, attention=attention)
     pool = new_pool(config)
     full, decoding, chunked, single = make_sequences([13, 10, 15, 1], pool, config.vocab_size, seed=13)
     run_step(ours, pool, [(decoding, list(range(9)), 9), (chunked, list(range(6)), 6)])
@@ -186,11 +193,12 @@ def test_mixed_batch_matches_transformers(checkpoints, name):
     assert rel_err(logits, expected) <= REL_TOL
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
-def test_non_contiguous_positions_layer_by_layer(checkpoints, name):
+def test_non_contiguous_positions_layer_by_layer(checkpoints, name, attention):
     """Recomputing a scattered subset of positions, layer by layer (as blending does), over a KV pool
     that already holds the whole sequence gives the full-prefill logits at those positions."""
-    ours, config, ref = models(checkpoints, name)
+    ours, config, ref = models(checkpoints, name, attention=attention)
     pool = new_pool(config)
     (seq,) = make_sequences([21], pool, config.vocab_size, seed=14)
     run_step(ours, pool, [(seq, list(range(21)), 21)])
@@ -205,9 +213,10 @@ def test_non_contiguous_positions_layer_by_layer(checkpoints, name):
     assert rel_err(logits, reference_logits(ref, seq.token_ids)[subset]) <= REL_TOL
 
 
-def test_fresh_kv_is_written_before_attending(checkpoints):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_fresh_kv_is_written_before_attending(checkpoints, attention):
     """A query attends to its own fresh K/V: stale pool contents at its slot must not leak in."""
-    ours, config, ref = models(checkpoints, "llama")
+    ours, config, ref = models(checkpoints, "llama", attention=attention)
     pool = new_pool(config)
     for layer in range(config.num_layers):
         pool.k[layer].normal_()
@@ -217,8 +226,9 @@ def test_fresh_kv_is_written_before_attending(checkpoints):
     assert rel_err(logits, reference_logits(ref, seq.token_ids)) <= REL_TOL
 
 
-def test_query_position_outside_context_is_rejected(checkpoints):
-    ours, config, _ = models(checkpoints, "llama")
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_query_position_outside_context_is_rejected(checkpoints, attention):
+    ours, config, _ = models(checkpoints, "llama", attention=attention)
     pool = new_pool(config)
     (seq,) = make_sequences([8], pool, config.vocab_size, seed=16)
     with pytest.raises(ValueError, match="query positions"):
@@ -240,10 +250,11 @@ def test_bf16_forward_stays_close_to_fp32(checkpoints):
     assert rel_err(logits16, logits32) <= 3e-2  # measured 1.1e-2
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_batched_decode_matches_transformers(checkpoints, name):
-    """Several sequences decoding one token each take the padded single-call attention path."""
-    ours, config, ref = models(checkpoints, name)
+def test_batched_decode_matches_transformers(checkpoints, name, attention):
+    """Several sequences decoding one token each in one batch (torch: the padded single-call path)."""
+    ours, config, ref = models(checkpoints, name, attention=attention)
     pool = new_pool(config)
     lengths = [9, 23, 16, 31]
     seqs = make_sequences(lengths, pool, config.vocab_size, seed=14)
@@ -256,13 +267,14 @@ def test_batched_decode_matches_transformers(checkpoints, name):
             assert rel_err(logits[row:row + 1], expected) <= REL_TOL
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_long_chunk_and_scattered_queries_attend_in_groups(checkpoints, name, consecutive):
-    """A chunk deep in the context and a scattered subset of queries are attended in position groups,
-    each against only the keys its last query sees; over consecutive blocks the pool is read in place.
-    Both must still give transformers' logits."""
-    ours, config, ref = models(checkpoints, name)
+def test_long_chunk_and_scattered_queries_attend_in_groups(checkpoints, name, consecutive, attention):
+    """A chunk deep in the context and a scattered subset of queries: torch's path attends them in position
+    groups, each against only the keys its last query sees, over consecutive blocks reading the pool in
+    place; the kernel takes them as several units of rows. Both must still give transformers' logits."""
+    ours, config, ref = models(checkpoints, name, attention=attention)
     pool = new_pool(config)
     n = 160
     if consecutive:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
+from . import cpu_attention
 from .cpu_linear import PackedLinear, can_pack, pack_linear_layers
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.qkv_proj = None  # q/k/v in one packed product once pack_qkv_for_cpu ran (q_proj... are then None)
+        self.__dict__["kernel"] = None  # the CPU attention kernel, once LlamaModel.use_cpu_attention_kernel ran
 
     def pack_qkv_for_cpu(self) -> int:
         """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one oneDNN call
@@ -83,8 +85,13 @@ class Attention(nn.Module):
         qk = _rotate(qk, positions, meta, rotary)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
-        masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
-        out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
+        if self.kernel is not None and self.kernel.takes(q, kv):
+            plan = meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
+                meta.query_start, meta.block_tables, meta.context_lens, positions, kv.block_size, kv.num_blocks))
+            out = self.kernel(q, plan, kv, layer_idx, self.scale, self.sliding_window)
+        else:
+            masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
+            out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -164,6 +171,15 @@ class LlamaModel(nn.Module):
                 for param in self.parameters():
                     param.data = param.data.clone()
         return packed
+
+    def use_cpu_attention_kernel(self, enable: bool = True) -> bool:
+        """Attend through the CPU kernel (cpu_attention) wherever it takes the tensors (fp32 on the CPU), or,
+        with enable=False, through torch. Returns whether the kernel is in use; False where it cannot be
+        built (`cpu_attention.failure()` says why)."""
+        kernel = cpu_attention.load() if enable else None
+        for layer in self.layers:
+            layer.self_attn.__dict__["kernel"] = kernel
+        return kernel is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -1,0 +1,327 @@
+// Paged attention on the CPU, fp32: query tokens at arbitrary positions against their sequence's KV blocks
+// in the pool, read in place through the block table (no gathered copy of K/V).
+//
+// Work unit: one sequence, one KV head, up to 64 query rows (the query heads sharing that KV head, folded:
+// row = token * group + head-in-group). Rows are the vector lanes: scores are computed transposed,
+// S^T[key][row] = sum_d K[key][d] * Q^T[d][row], with each key element broadcast against 16 rows at a time,
+// so K rows are read straight from the pool and the online softmax runs lane-wise, without horizontal
+// reductions. Then O[row][:] += P[row][key] * V[key][:] over 24/(head_dim/16) rows at a time. A unit with
+// few units beside it splits its keys into several tasks (flash-decoding) whose partial results are merged.
+// Compiled at first use with the host's own instruction set (see cpu_attention.py); gcc vector extensions
+// become AVX-512, AVX2 or SSE code.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+constexpr int LANES = 16;
+constexpr int CHUNK = 64;              // keys per online-softmax step
+constexpr int MAX_ROWS = 64;           // query rows per unit (4 vectors)
+constexpr int PAD_ROWS = MAX_ROWS + 24;  // the PV tiles may run past the last row
+constexpr int MAX_HEAD_DIM = 128;
+constexpr int64_t MIN_SPLIT_KEYS = 512;
+
+inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 splat(float x) { return v16{} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline v16 vmin(v16 a, v16 b) { return a < b ? a : b; }
+
+// exp(x), relative error ~2e-7 (Cephes' expf polynomial); arguments below -87 give ~1e-38, not 0.
+inline v16 vexp(v16 x) {
+    x = vmin(vmax(x, splat(-87.0f)), splat(88.0f));
+    const v16 round = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+    v16 n = (x * splat(1.44269504088896341f) + round) - round;
+    v16 r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return p * (v16)e;
+}
+
+struct Unit {
+    int64_t seq, head, row0, rows, key_begin, key_end;
+    int64_t first_task, num_tasks;
+};
+struct Task {
+    int64_t unit, key_begin, key_end;
+};
+
+// S^T rows for KT keys: st[k * MAX_ROWS + lane] for RV vectors of rows.
+template <int RV, int KT>
+inline void score_tile(const float* const* krow, const float* qt, int hd, float* st) {
+    v16 acc[KT][RV];
+    for (int k = 0; k < KT; ++k)
+        for (int v = 0; v < RV; ++v) acc[k][v] = v16{};
+    for (int d = 0; d < hd; ++d) {
+        v16 q[RV];
+        for (int v = 0; v < RV; ++v) q[v] = load(qt + d * MAX_ROWS + v * LANES);
+        for (int k = 0; k < KT; ++k) {
+            const v16 kb = splat(krow[k][d]);
+            for (int v = 0; v < RV; ++v) acc[k][v] += kb * q[v];
+        }
+    }
+    for (int k = 0; k < KT; ++k)
+        for (int v = 0; v < RV; ++v) store(st + k * MAX_ROWS + v * LANES, acc[k][v]);
+}
+
+template <int RV>
+void score_chunk(const float* const* krow, int keys, const float* qt, int hd, float* st) {
+    constexpr int KT = RV >= 3 ? 6 : (RV == 2 ? 8 : 12);  // accumulators: KT * RV <= 24 of 32 registers
+    int k = 0;
+    for (; k + KT <= keys; k += KT) score_tile<RV, KT>(krow + k, qt, hd, st + k * MAX_ROWS);
+    for (; k < keys; ++k) score_tile<RV, 1>(krow + k, qt, hd, st + k * MAX_ROWS);
+}
+
+// o[row][:] += sum_k p[k * MAX_ROWS + row] * vrow[k][:], for rows 0..rows-1 (rounded up to the tile).
+template <int HV>
+void value_chunk(const float* const* vrow, int keys, const float* p, int rows, float* o, int hd) {
+    constexpr int RT = 24 / HV;
+    for (int i0 = 0; i0 < rows; i0 += RT) {
+        v16 acc[RT][HV];
+        for (int i = 0; i < RT; ++i)
+            for (int h = 0; h < HV; ++h) acc[i][h] = load(o + (i0 + i) * hd + h * LANES);
+        for (int k = 0; k < keys; ++k) {
+            v16 vv[HV];
+            for (int h = 0; h < HV; ++h) vv[h] = load(vrow[k] + h * LANES);
+            const float* pk = p + k * MAX_ROWS + i0;
+            for (int i = 0; i < RT; ++i) {
+                const v16 pb = splat(pk[i]);
+                for (int h = 0; h < HV; ++h) acc[i][h] += pb * vv[h];
+            }
+        }
+        for (int i = 0; i < RT; ++i)
+            for (int h = 0; h < HV; ++h) store(o + (i0 + i) * hd + h * LANES, acc[i][h]);
+    }
+}
+
+struct Problem {
+    const float* q;
+    int64_t q_token_stride;
+    float* out;
+    const float* k_pool;
+    const float* v_pool;
+    const int64_t* seq_info;  // per sequence: first query token, end query token, context length, table offset
+    const int64_t* block_tables;
+    const int64_t* positions;
+    int64_t heads, kv_heads, hd, block_size, window;
+    float scale;
+};
+
+// One task: a unit's rows against keys [key_begin, key_end). Leaves the unnormalized output rows in o
+// ([PAD_ROWS][hd]) and each row's running max and exp-sum in m and l.
+void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_end, float* o, float* m, float* l) {
+    alignas(64) float qt[MAX_HEAD_DIM * MAX_ROWS];
+    alignas(64) float st[CHUNK * MAX_ROWS + 32];  // + the PV tiles' overrun past the last row
+    alignas(64) float hi[MAX_ROWS], lo[MAX_ROWS], alpha[MAX_ROWS];
+    const float* krow[CHUNK];
+    const float* vrow[CHUNK];
+    const int hd = (int)pb.hd;
+    const int64_t group = pb.heads / pb.kv_heads;
+    const int64_t* info = pb.seq_info + 4 * u.seq;
+    const int64_t q0 = info[0];
+    const int64_t* table = pb.block_tables + info[3];
+    const int rv = (int)((u.rows + LANES - 1) / LANES);
+
+    std::memset(qt, 0, sizeof(float) * hd * MAX_ROWS);
+    float min_hi = INFINITY, max_lo = -INFINITY;
+    for (int r = 0; r < MAX_ROWS; ++r) { hi[r] = INFINITY; lo[r] = -INFINITY; }
+    for (int64_t r = 0; r < u.rows; ++r) {
+        const int64_t row = u.row0 + r, token = q0 + row / group;
+        const float* qr = pb.q + token * pb.q_token_stride + (u.head * group + row % group) * hd;
+        for (int d = 0; d < hd; ++d) qt[d * MAX_ROWS + r] = qr[d] * pb.scale;
+        hi[r] = (float)pb.positions[token];  // a row sees keys lo[r] <= key <= hi[r]
+        if (pb.window > 0) lo[r] = (float)(pb.positions[token] - pb.window + 1);
+        min_hi = std::min(min_hi, hi[r]);
+        max_lo = std::max(max_lo, lo[r]);
+    }
+    std::memset(o, 0, sizeof(float) * PAD_ROWS * hd);
+    for (int r = 0; r < MAX_ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+    const int64_t kv_stride = pb.kv_heads * pb.hd;
+
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
+        const int keys = (int)std::min<int64_t>(CHUNK, key_end - j0);
+        for (int j = 0; j < keys; ++j) {
+            const int64_t key = j0 + j;
+            const int64_t slot = table[key / pb.block_size] * pb.block_size + key % pb.block_size;
+            krow[j] = pb.k_pool + slot * kv_stride + u.head * pb.hd;
+            vrow[j] = pb.v_pool + slot * kv_stride + u.head * pb.hd;
+        }
+        switch (rv) {
+            case 1: score_chunk<1>(krow, keys, qt, hd, st); break;
+            case 2: score_chunk<2>(krow, keys, qt, hd, st); break;
+            case 3: score_chunk<3>(krow, keys, qt, hd, st); break;
+            default: score_chunk<4>(krow, keys, qt, hd, st); break;
+        }
+        const bool masked = (float)(j0 + keys - 1) > min_hi || (float)j0 < max_lo;
+        for (int v = 0; v < rv; ++v) {
+            float* sv = st + v * LANES;
+            v16 mx = splat(-INFINITY);
+            if (masked) {
+                const v16 hv = load(hi + v * LANES), lv = load(lo + v * LANES);
+                for (int j = 0; j < keys; ++j) {
+                    const v16 key = splat((float)(j0 + j));
+                    v16 s = load(sv + j * MAX_ROWS);
+                    s = (key <= hv) & (key >= lv) ? s : splat(-INFINITY);
+                    store(sv + j * MAX_ROWS, s);
+                    mx = vmax(mx, s);
+                }
+            } else {
+                for (int j = 0; j < keys; ++j) mx = vmax(mx, load(sv + j * MAX_ROWS));
+            }
+            const v16 m_old = load(m + v * LANES);
+            const v16 m_new = vmax(m_old, mx);
+            // rows that have seen no visible key yet keep m = -inf, l = 0, o = 0
+            const v16 shift = m_new == splat(-INFINITY) ? splat(0.f) : m_new;
+            const v16 a = m_old == splat(-INFINITY) ? splat(0.f) : vexp(m_old - shift);
+            v16 sum = v16{};
+            for (int j = 0; j < keys; ++j) {
+                const v16 s = load(sv + j * MAX_ROWS);
+                v16 p = vexp(s - shift);
+                if (masked) p = s == splat(-INFINITY) ? splat(0.f) : p;
+                store(sv + j * MAX_ROWS, p);
+                sum += p;
+            }
+            store(l + v * LANES, load(l + v * LANES) * a + sum);
+            store(m + v * LANES, m_new);
+            store(alpha + v * LANES, a);
+        }
+        if (j0 > key_begin) {
+            for (int64_t r = 0; r < u.rows; ++r) {
+                const float a = alpha[r];
+                for (int d = 0; d < hd; ++d) o[r * hd + d] *= a;
+            }
+        }
+        switch (hd / LANES) {
+            case 1: value_chunk<1>(vrow, keys, st, (int)u.rows, o, hd); break;
+            case 2: value_chunk<2>(vrow, keys, st, (int)u.rows, o, hd); break;
+            case 4: value_chunk<4>(vrow, keys, st, (int)u.rows, o, hd); break;
+            default: value_chunk<8>(vrow, keys, st, (int)u.rows, o, hd); break;
+        }
+    }
+}
+
+float* out_row(const Problem& pb, const Unit& u, int64_t r) {
+    const int64_t group = pb.heads / pb.kv_heads, row = u.row0 + r;
+    const int64_t token = pb.seq_info[4 * u.seq] + row / group;
+    return pb.out + (token * pb.heads + u.head * group + row % group) * pb.hd;
+}
+
+}  // namespace
+
+// Returns 0, or -1 for a shape this kernel does not take (the caller then uses another path).
+extern "C" int kv_paged_attention_f32(
+    const float* q, int64_t q_token_stride, float* out, const float* k_pool, const float* v_pool,
+    int64_t num_seqs, const int64_t* seq_info, const int64_t* block_tables, const int64_t* positions,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    int64_t num_threads) {
+    const int64_t hv = head_dim / LANES;
+    if (head_dim % LANES || !(hv == 1 || hv == 2 || hv == 4 || hv == 8) || kv_heads < 1 || heads % kv_heads ||
+        block_size < 1 || num_threads < 1)
+        return -1;
+    const Problem pb{q, q_token_stride, out, k_pool, v_pool, seq_info, block_tables, positions,
+                     heads, kv_heads, head_dim, block_size, window, scale};
+    const int64_t group = heads / kv_heads;
+
+    std::vector<Unit> units;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t* info = seq_info + 4 * s;
+        const int64_t rows = (info[1] - info[0]) * group;
+        for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+                const int64_t n = std::min<int64_t>(MAX_ROWS, rows - r0);
+                int64_t first = INT64_MAX, last = 0;
+                for (int64_t t = info[0] + r0 / group; t <= info[0] + (r0 + n - 1) / group; ++t) {
+                    first = std::min(first, positions[t]);
+                    last = std::max(last, positions[t]);
+                }
+                const int64_t begin = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+                const int64_t end = std::min(last + 1, info[2]);
+                units.push_back({s, h, r0, n, begin, std::max(begin, end), 0, 0});
+            }
+    }
+    // Few units (a warm request's new tokens, a small decode batch): split their keys so that every thread
+    // has several tasks.
+    const int64_t wanted = (4 * num_threads + (int64_t)units.size() - 1) / std::max<int64_t>(1, units.size());
+    std::vector<Task> tasks;
+    for (size_t i = 0; i < units.size(); ++i) {
+        Unit& u = units[i];
+        const int64_t keys = u.key_end - u.key_begin;
+        int64_t splits = std::max<int64_t>(1, std::min(wanted, keys / MIN_SPLIT_KEYS));
+        int64_t step = (keys + splits - 1) / splits;
+        step = std::max<int64_t>(CHUNK, (step + CHUNK - 1) / CHUNK * CHUNK);
+        u.first_task = tasks.size();
+        for (int64_t k = u.key_begin; k < u.key_end || k == u.key_begin; k += step)
+            tasks.push_back({(int64_t)i, k, std::min(k + step, u.key_end)});
+        u.num_tasks = tasks.size() - u.first_task;
+    }
+    const int64_t num_tasks = tasks.size();
+    // Partial results only for split units; a unit computed by one task writes its rows directly.
+    std::vector<int64_t> partial_slot(num_tasks, -1);
+    int64_t num_partials = 0;
+    for (int64_t t = 0; t < num_tasks; ++t)
+        if (units[tasks[t].unit].num_tasks > 1) partial_slot[t] = num_partials++;
+    std::vector<float> part_o(num_partials * PAD_ROWS * head_dim), part_m(num_partials * MAX_ROWS),
+        part_l(num_partials * MAX_ROWS);
+
+#pragma omp parallel num_threads((int)num_threads)
+    {
+        std::vector<float> own_o(PAD_ROWS * head_dim);
+        alignas(64) float own_m[MAX_ROWS], own_l[MAX_ROWS];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < num_tasks; ++t) {
+            const Task& task = tasks[t];
+            const Unit& u = units[task.unit];
+            const int64_t slot = partial_slot[t];
+            float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
+            float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
+            float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
+            run_task(pb, u, task.key_begin, task.key_end, o, m, l);
+            if (slot >= 0) continue;
+            for (int64_t r = 0; r < u.rows; ++r) {
+                float* dst = out_row(pb, u, r);
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r * head_dim + d] * inv;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (int64_t)units.size(); ++i) {
+            const Unit& u = units[i];
+            if (u.num_tasks < 2) continue;
+            for (int64_t r = 0; r < u.rows; ++r) {
+                float top = -INFINITY;
+                for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t)
+                    top = std::max(top, part_m[partial_slot[t] * MAX_ROWS + r]);
+                float* dst = out_row(pb, u, r);
+                std::fill(dst, dst + head_dim, 0.f);
+                float total = 0.f;
+                for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t) {
+                    const int64_t slot = partial_slot[t];
+                    const float mt = part_m[slot * MAX_ROWS + r];
+                    if (mt == -INFINITY) continue;
+                    const float w = std::exp(mt - top);
+                    total += w * part_l[slot * MAX_ROWS + r];
+                    const float* src = part_o.data() + (slot * PAD_ROWS + r) * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * src[d];
+                }
+                const float inv = total > 0.f ? 1.f / total : 0.f;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
+            }
+        }
+    }
+    return 0;
+}

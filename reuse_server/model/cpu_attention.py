@@ -1,0 +1,167 @@
+"""The CPU's fp32 paged attention kernel (cpu_attention.cpp): build once, load, call.
+
+torch's CPU attention needs K/V as dense tensors, so a paged pool costs a gather per layer (or a view where a
+sequence's blocks happen to be consecutive), and its flash kernel spends its time in small MKL products that
+take a generic path on AMD CPUs. The kernel reads K/V in place through the block table and keeps the query
+heads that share a KV head as one set of rows. Measured on this project's 2-core EPYC VM against the torch
+path: 17 new tokens over 4,097 cached keys 1.7x faster a layer, a causal 2,048-token prefill 1.4x, decode
+batches several times (BENCHMARKS.md).
+
+It is compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`),
+into the cache folder next to the converted weights, keyed by the source, the compiler and the CPU; about two
+seconds. Without a compiler the model keeps the torch path (`available()` says why)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .gguf_convert import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_ARGTYPES = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I]
+
+_lock = threading.Lock()
+_loaded: "CpuAttentionKernel | None" = None
+_failure: str | None = None
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_signature().encode()):
+        digest.update(part)
+    return default_cache_dir() / "kernels" / f"cpu_attention-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders (test workers, servers) each finish whole
+        for stale in target.parent.glob("cpu_attention-*.so"):  # builds of earlier sources or compilers
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> "CpuAttentionKernel | None":
+    """The kernel, built on first use; None (and the reason in `failure()`) where it cannot be built."""
+    global _loaded, _failure
+    with _lock:
+        if _loaded is not None or _failure is not None:
+            return _loaded
+        try:
+            compiler = _compiler()
+            if compiler is None:
+                raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+            path = _library_path(compiler)
+            if not path.exists():
+                log.info("building the CPU attention kernel with %s (once)", compiler)
+                _build(compiler, path)
+            _loaded = CpuAttentionKernel(ctypes.CDLL(str(path)))
+        except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
+            _failure = f"{type(exc).__name__}: {exc}"
+            log.warning("CPU attention kernel unavailable, using torch's attention: %s", _failure)
+        return _loaded
+
+
+def failure() -> str | None:
+    return _failure
+
+
+class CpuAttentionKernel:
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.kv_paged_attention_f32
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def takes(q: torch.Tensor, kv) -> bool:
+        """Whether this call's tensors suit the kernel: fp32 on the CPU, head_dim 16, 32, 64 or 128."""
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype == torch.float32
+                and kv.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1 and q.stride(-2) == kv.head_dim)
+
+    def __call__(self, q: torch.Tensor, plan: "KernelPlan", kv, layer: int, scale: float,
+                 window: int | None) -> torch.Tensor:
+        """q: [T, heads, head_dim] (post-RoPE; a view with a wider token stride is fine). Returns [T, heads,
+        head_dim]; every token's own K/V must already be in the pool."""
+        t, heads, hd = q.shape
+        out = torch.empty((t, heads, hd), dtype=q.dtype)
+        k, v = kv.k[layer], kv.v[layer]
+        status = self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          plan.num_sequences, plan.seq_info.data_ptr(), plan.block_tables.data_ptr(),
+                          plan.positions.data_ptr(), heads, kv.num_kv_heads, hd, kv.block_size,
+                          window or 0, scale, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"the CPU attention kernel does not take heads={heads} kv_heads={kv.num_kv_heads} "
+                             f"head_dim={hd} block_size={kv.block_size}")
+        return out
+
+
+class KernelPlan:
+    """A step's sequences in the kernel's terms, built once and shared by every layer: per sequence (first
+    query token, end query token, context length, offset of its block table), the block tables end to end,
+    and the query positions as int64."""
+
+    def __init__(self, query_start: list[int], block_tables: list[torch.Tensor], context_lens: list[int],
+                 positions: torch.Tensor, block_size: int, num_blocks: int):
+        n = len(query_start) - 1
+        if len(block_tables) != n or len(context_lens) != n:
+            raise ValueError("query_start, block_tables and context_lens disagree on the number of sequences")
+        if query_start[0] != 0 or query_start[-1] != positions.shape[0]:
+            raise ValueError(f"query_start {query_start} does not cover the {positions.shape[0]} query tokens")
+        info, offset = [], 0
+        for s in range(n):
+            lo, hi, ctx = query_start[s], query_start[s + 1], context_lens[s]
+            if hi < lo or len(block_tables[s]) * block_size < ctx:
+                raise ValueError(f"sequence {s}: {len(block_tables[s])} blocks cannot hold {ctx} positions")
+            info.append((lo, hi, ctx, offset))
+            offset += len(block_tables[s])
+        self.positions = positions.to(torch.int64).contiguous()
+        if self.positions.numel():
+            lows = [self.positions[lo:hi].min() for lo, hi, _, _ in info if hi > lo]
+            highs = [self.positions[lo:hi].max() - ctx for lo, hi, ctx, _ in info if hi > lo]
+            if lows and (int(torch.stack(lows).min()) < 0 or int(torch.stack(highs).max()) >= 0):
+                raise ValueError("query positions must lie in [0, context length) of their sequence")
+        self.num_sequences = n
+        self.seq_info = torch.tensor(info, dtype=torch.int64).reshape(n, 4)
+        self.block_tables = (torch.cat([t.to(torch.int64) for t in block_tables]) if offset
+                             else torch.zeros(1, dtype=torch.int64))
+        if offset and (int(self.block_tables.min()) < 0 or int(self.block_tables.max()) >= num_blocks):
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
