@@ -147,9 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
                        help="weight and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["onednn", "torch"],
-                       help="on the CPU, run linear layers through oneDNN on weights reordered once at start "
-                            "(onednn; ~2x faster decode than MKL on AMD CPUs) or through torch's F.linear")
+    serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["native", "onednn", "torch"],
+                       help="on the CPU, run linear layers on weights packed once at start: through the C++ kernel "
+                            "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
+                            "compiler), through oneDNN (onednn; ~2x faster decode than MKL on AMD CPUs), or "
+                            "through torch's F.linear (torch)")
     serve.add_argument("--cpu-attention", default=defaults.cpu_attention, choices=["native", "torch"],
                        help="on the CPU in float32, attend through the paged attention kernel, built once with the "
                             "host's C++ compiler and reading K/V in place (native; torch's attention where it cannot "

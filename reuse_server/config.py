@@ -10,7 +10,9 @@ class EngineConfig:
     served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
-    cpu_matmul: str = "onednn"  # onednn: linear layers on pre-reordered weights (model/cpu_linear.py); torch: F.linear
+    # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
+    # torch (F.linear)
+    cpu_matmul: str = "native"
     cpu_attention: str = "native"  # native: the paged attention kernel (model/cpu_attention.cpp); torch: SDPA
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory

@@ -43,10 +43,9 @@ class LLMEngine:
         path = resolve_model(config.model)
         dtype = resolve_dtype(config.dtype, config.device)
         self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
-        if config.cpu_matmul == "onednn":
-            self.model.pack_for_cpu()
-        elif config.cpu_matmul != "torch":
-            raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose onednn or torch")
+        if config.cpu_matmul not in ("native", "onednn", "torch"):
+            raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose native, onednn or torch")
+        self.model.pack_for_cpu(config.cpu_matmul)
         if config.cpu_attention not in ("native", "torch"):
             raise ValueError(f"unknown cpu_attention {config.cpu_attention!r}; choose native or torch")
         # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.

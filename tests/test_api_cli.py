@@ -9,7 +9,7 @@ from reuse_server.cli import build_parser, engine_config, main, parse_size
 from reuse_server.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
-FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--cpu-matmul",
+FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--cpu-matmul", "--cpu-attention",
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
@@ -26,7 +26,7 @@ def test_help_documents_every_flag_with_its_default(capsys):
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
                   "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
                   "(default: off)", "(default: 0.15)", "(default: 1)", "(default: kv)", "(default: 32)",
-                  "(default: none", "(default: onednn)"]:
+                  "(default: none", "(default: native)"]:
         assert shown in text, shown
     assert text.count("(default") >= len(FLAGS) - 1  # --no-blend says "(the default)"
 
@@ -38,12 +38,13 @@ def test_defaults_match_engine_config():
 def test_flags_reach_engine_config():
     args = build_parser().parse_args([
         "serve", "--model", "/m", "--served-model-name", "x", "--device", "cuda:1", "--dtype", "bfloat16",
-        "--cpu-matmul", "torch", "--block-size", "32", "--num-gpu-blocks", "100", "--kv-cache-memory", "512MiB",
+        "--cpu-matmul", "torch", "--cpu-attention", "torch", "--block-size", "32", "--num-gpu-blocks", "100", "--kv-cache-memory", "512MiB",
         "--max-num-seqs", "3",
         "--max-num-batched-tokens", "64", "--max-model-len", "128", "--no-prefix-cache", "--hash", "sha256",
         "--eviction-policy", "lfu", "--seed", "9"])
     assert engine_config(args) == EngineConfig(
-        model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", cpu_matmul="torch", block_size=32,
+        model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", cpu_matmul="torch", cpu_attention="torch",
+        block_size=32,
         num_gpu_blocks=100,
         kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,
         enable_prefix_cache=False, hash_algo="sha256", eviction_policy="lfu", seed=9)

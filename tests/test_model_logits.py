@@ -94,18 +94,17 @@ def checkpoints(tmp_path_factory, tiny_llama_path, tiny_qwen2_path):
 _loaded: dict = {}
 
 
-def models(checkpoints, name, packed=True, attention="torch"):
-    """Our model as the engine serves it (linear layers packed for oneDNN where it applies), or on plain
-    F.linear with packed=False, attending through the CPU kernel (attention="kernel") or torch; and
+def models(checkpoints, name, matmul="native", attention="torch"):
+    """Our model with its linear layers packed for the native kernel (as the engine serves it) or for oneDNN,
+    or on plain F.linear (matmul="torch"), attending through the CPU kernel (attention="kernel") or torch; and
     transformers' reference."""
-    if (name, packed, attention) not in _loaded:
+    if (name, matmul, attention) not in _loaded:
         ours, config = load_model(checkpoints[name])
-        if packed:
-            ours.pack_for_cpu()
+        ours.pack_for_cpu(matmul)
         assert ours.use_cpu_attention_kernel(attention == "kernel") == (attention == "kernel"), cpu_attention.failure()
         ref = AutoModelForCausalLM.from_pretrained(checkpoints[name], attn_implementation="eager", dtype=torch.float32)
-        _loaded[name, packed, attention] = (ours, config, ref.eval())
-    return _loaded[name, packed, attention]
+        _loaded[name, matmul, attention] = (ours, config, ref.eval())
+    return _loaded[name, matmul, attention]
 
 
 def reference_logits(ref, token_ids: list[int]) -> torch.Tensor:
@@ -122,10 +121,10 @@ ATTENTION = ["kernel", "torch"]
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "torch-linear"])
+@pytest.mark.parametrize("matmul", ["native", "onednn", "torch"])
 @pytest.mark.parametrize("name", ALL)
-def test_prefill_matches_transformers(checkpoints, name, packed, attention):
-    ours, config, ref = models(checkpoints, name, packed, attention)
+def test_prefill_matches_transformers(checkpoints, name, matmul, attention):
+    ours, config, ref = models(checkpoints, name, matmul, attention)
     pool = new_pool(config)
     (seq,) = make_sequences([37], pool, config.vocab_size, seed=10)
     logits = run_step(ours, pool, [(seq, list(range(37)), 37)])

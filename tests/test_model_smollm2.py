@@ -21,7 +21,8 @@ BLOCK_SIZE = 16
 def smollm2():
     folder = resolve_model("bundled")
     model, config = load_model(folder)
-    model.pack_for_cpu()  # as the engine serves it
+    model.pack_for_cpu()  # as the engine serves it: the native linear and attention kernels
+    assert model.use_cpu_attention_kernel()
     tokenizer = load_tokenizer(folder)
     return folder, model, config, tokenizer
 
@@ -58,8 +59,17 @@ def test_converted_folder_is_complete(smollm2):
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_logits_match_transformers(smollm2):
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+def test_logits_match_transformers(smollm2, attention):
     folder, model, config, tokenizer = smollm2
+    model.use_cpu_attention_kernel(attention == "kernel")
+    try:
+        _compare_with_transformers(folder, model, config, tokenizer)
+    finally:
+        model.use_cpu_attention_kernel()
+
+
+def _compare_with_transformers(folder, model, config, tokenizer):
     reference = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     ids = prompt_ids(tokenizer, "Explain in one sentence why the sky is blue.")
     runner = Runner(model, config)

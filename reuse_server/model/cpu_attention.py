@@ -1,108 +1,38 @@
-"""The CPU's fp32 paged attention kernel (cpu_attention.cpp): build once, load, call.
+"""The CPU's fp32 paged attention kernel (cpu_attention.cpp, built by native.py): its plan and its call.
 
 torch's CPU attention needs K/V as dense tensors, so a paged pool costs a gather per layer (or a view where a
 sequence's blocks happen to be consecutive), and its flash kernel spends its time in small MKL products that
 take a generic path on AMD CPUs. The kernel reads K/V in place through the block table and keeps the query
 heads that share a KV head as one set of rows. Measured on this project's 2-core EPYC VM against the torch
 path: 17 new tokens over 4,097 cached keys 1.7x faster a layer, a causal 2,048-token prefill 1.4x, decode
-batches several times (BENCHMARKS.md).
-
-It is compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`),
-into the cache folder next to the converted weights, keyed by the source, the compiler and the CPU; about two
-seconds. Without a compiler the model keeps the torch path (`available()` says why)."""
+batches several times (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-from .gguf_convert import default_cache_dir
+from . import native
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I]
-
 _lock = threading.Lock()
-_loaded: "CpuAttentionKernel | None" = None
-_failure: str | None = None
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_signature().encode()):
-        digest.update(part)
-    return default_cache_dir() / "kernels" / f"cpu_attention-{digest.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders (test workers, servers) each finish whole
-        for stale in target.parent.glob("cpu_attention-*.so"):  # builds of earlier sources or compilers
-            if stale != target:
-                stale.unlink(missing_ok=True)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+_kernel: "CpuAttentionKernel | None" = None
 
 
 def load() -> "CpuAttentionKernel | None":
-    """The kernel, built on first use; None (and the reason in `failure()`) where it cannot be built."""
-    global _loaded, _failure
+    """The kernel, built on first use; None where it cannot be built (`native.failure()` says why)."""
+    global _kernel
     with _lock:
-        if _loaded is not None or _failure is not None:
-            return _loaded
-        try:
-            compiler = _compiler()
-            if compiler is None:
-                raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-            path = _library_path(compiler)
-            if not path.exists():
-                log.info("building the CPU attention kernel with %s (once)", compiler)
-                _build(compiler, path)
-            _loaded = CpuAttentionKernel(ctypes.CDLL(str(path)))
-        except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
-            _failure = f"{type(exc).__name__}: {exc}"
-            log.warning("CPU attention kernel unavailable, using torch's attention: %s", _failure)
-        return _loaded
+        if _kernel is None and (library := native.load()) is not None:
+            _kernel = CpuAttentionKernel(library)
+        return _kernel
 
 
 def failure() -> str | None:
-    return _failure
+    return native.failure()
 
 
 class CpuAttentionKernel:

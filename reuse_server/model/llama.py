@@ -12,7 +12,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from . import cpu_attention
-from .cpu_linear import PackedLinear, can_pack, pack_linear_layers
+from .cpu_linear import pack_linear_layers, packer
 from .rope import RotaryEmbedding, apply_rotary
 
 
@@ -47,14 +47,17 @@ class Attention(nn.Module):
         self.qkv_proj = None  # q/k/v in one packed product once pack_qkv_for_cpu ran (q_proj... are then None)
         self.__dict__["kernel"] = None  # the CPU attention kernel, once LlamaModel.use_cpu_attention_kernel ran
 
-    def pack_qkv_for_cpu(self) -> int:
-        """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one oneDNN call
-        instead of three (17 rows x 30 layers: 28.6 -> 26.4 ms of linear layers; k/v's 192 outputs alone split
-        unevenly over two threads). Returns how many linear layers it replaced (0 or 3)."""
+    def pack_qkv_for_cpu(self, kind: str = "native") -> int:
+        """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one call instead
+        of three (17 rows x 30 layers on oneDNN: 28.6 -> 26.4 ms of linear layers; k/v's 192 outputs alone
+        split unevenly over two threads). Returns how many linear layers it replaced (0 or 3)."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(isinstance(p, nn.Linear) and can_pack(p.weight) for p in projections):
+        if not all(isinstance(p, nn.Linear) for p in projections):
             return 0
-        self.qkv_proj = PackedLinear.stacked(projections)
+        cls = packer(self.q_proj.weight, kind)
+        if cls is None:
+            return 0
+        self.qkv_proj = cls.stacked(projections)
         self.q_proj = self.k_proj = self.v_proj = None
         return len(projections)
 
@@ -152,17 +155,18 @@ class LlamaModel(nn.Module):
         )
         self.__dict__["packed_head"] = None  # see pack_for_cpu
 
-    def pack_for_cpu(self) -> int:
-        """Run the linear layers and the output head through oneDNN with pre-reordered weights (see
-        cpu_linear), each attention's q/k/v projections as one. After this the model is for inference only:
-        its state dict no longer holds the linear weights. Returns the number of linear layers packed (0 where
-        it does not apply: GPU, fp16, no oneDNN)."""
-        if not can_pack(self.embed_tokens.weight):
+    def pack_for_cpu(self, kind: str = "native") -> int:
+        """Run the linear layers and the output head on weights packed once (see cpu_linear: the native kernel
+        in fp32, oneDNN), each attention's q/k/v projections as one. After this the model is for inference
+        only: its state dict no longer holds the linear weights. Returns the number of linear layers packed (0
+        where it does not apply: GPU, fp16, kind "torch")."""
+        head = packer(self.embed_tokens.weight, kind)
+        if head is None:
             return 0
-        packed = sum(layer.self_attn.pack_qkv_for_cpu() for layer in self.layers)
-        packed += pack_linear_layers(self)  # an untied lm_head is an nn.Linear: packed here
+        packed = sum(layer.self_attn.pack_qkv_for_cpu(kind) for layer in self.layers)
+        packed += pack_linear_layers(self, kind)  # an untied lm_head is an nn.Linear: packed here
         if self.lm_head is None and self.packed_head is None:
-            self.__dict__["packed_head"] = PackedLinear(self.embed_tokens.weight)
+            self.__dict__["packed_head"] = head(self.embed_tokens.weight)
             packed += 1
         if packed:
             # Weights loaded from safetensors are views of the file's memory map; while any of them is

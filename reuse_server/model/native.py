@@ -1,0 +1,94 @@
+"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp): built once into one shared library, loaded with ctypes.
+
+They are compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`:
+gcc's vector extensions become AVX-512, AVX2 or SSE code), into the cache folder next to the converted
+weights, keyed by the sources, the compiler and the CPU; a few seconds, once. OpenMP comes from the libgomp
+torch has already loaded (same soname), so the kernels share torch's threads. Without a compiler, the model
+keeps torch's and oneDNN's paths (`failure()` says why)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from .gguf_convert import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
+PREFIX = "cpu_kernels-"
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256()
+    for part in [s.read_bytes() for s in SOURCES] + [version.encode(), " ".join(FLAGS).encode(),
+                                                     _cpu_signature().encode()]:
+        digest.update(part)
+    return default_cache_dir() / "kernels" / f"{PREFIX}{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders (test workers, servers) each finish whole
+        for stale in target.parent.glob(f"{PREFIX}*.so"):  # builds of earlier sources or compilers
+            if stale != target:
+                stale.unlink(missing_ok=True)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, built on first use; None (and the reason in `failure()`) where it cannot be."""
+    global _library, _failure
+    with _lock:
+        if _library is not None or _failure is not None:
+            return _library
+        try:
+            compiler = shutil.which(os.environ.get("CXX", "g++"))
+            if compiler is None:
+                raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+            path = _library_path(compiler)
+            if not path.exists():
+                log.info("building the CPU kernels with %s (once)", compiler)
+                _build(compiler, path)
+            _library = ctypes.CDLL(str(path))
+        except Exception as exc:  # noqa: BLE001 - any failure means: keep torch's and oneDNN's paths
+            _failure = f"{type(exc).__name__}: {exc}"
+            log.warning("C++ CPU kernels unavailable, using torch's and oneDNN's paths: %s", _failure)
+        return _library
+
+
+def failure() -> str | None:
+    return _failure
