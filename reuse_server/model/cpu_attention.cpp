@@ -79,11 +79,24 @@ inline void score_tile(const float* const* krow, const float* qt, int hd, float*
         for (int v = 0; v < RV; ++v) store(st + k * MAX_ROWS + v * LANES, acc[k][v]);
 }
 
+// Pool rows of the next chunk, requested into L2 a few at a time while this chunk computes: the rows are
+// short pieces of scattered slots, which the hardware prefetcher does not follow (17 queries over 4,097 keys
+// read from memory: 44.3 -> 40.6 ms for 30 layers; into L1, or all at once at the chunk's start, no gain).
+inline void prefetch_rows(const float* const* rows, int from, int to, int n, int hd) {
+    for (int k = from; k < std::min(to, n); ++k)
+        for (int b = 0; b < hd; b += 16) __builtin_prefetch(rows[k] + b, 0, 1);
+}
+
 template <int RV>
-void score_chunk(const float* const* krow, int keys, const float* qt, int hd, float* st) {
+void score_chunk(const float* const* krow, int keys, const float* qt, int hd, float* st,
+                 const float* const* knext, const float* const* vnext, int nnext) {
     constexpr int KT = RV >= 3 ? 6 : (RV == 2 ? 8 : 12);  // accumulators: KT * RV <= 24 of 32 registers
     int k = 0;
-    for (; k + KT <= keys; k += KT) score_tile<RV, KT>(krow + k, qt, hd, st + k * MAX_ROWS);
+    for (; k + KT <= keys; k += KT) {
+        prefetch_rows(knext, k, k + KT, nnext, hd);
+        prefetch_rows(vnext, k, k + KT, nnext, hd);
+        score_tile<RV, KT>(krow + k, qt, hd, st + k * MAX_ROWS);
+    }
     for (; k < keys; ++k) score_tile<RV, 1>(krow + k, qt, hd, st + k * MAX_ROWS);
 }
 
@@ -128,8 +141,11 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     alignas(64) float qt[MAX_HEAD_DIM * MAX_ROWS];
     alignas(64) float st[CHUNK * MAX_ROWS + 32];  // + the PV tiles' overrun past the last row
     alignas(64) float hi[MAX_ROWS], lo[MAX_ROWS], alpha[MAX_ROWS];
-    const float* krow[CHUNK];
-    const float* vrow[CHUNK];
+    const float* rows[4][CHUNK];  // this chunk's K and V rows in the pool, and the next chunk's
+    const float** krow = rows[0];
+    const float** vrow = rows[1];
+    const float** knext = rows[2];
+    const float** vnext = rows[3];
     const int hd = (int)pb.hd;
     const int64_t group = pb.heads / pb.kv_heads;
     const int64_t* info = pb.seq_info + 4 * u.seq;
@@ -153,19 +169,27 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     for (int r = 0; r < MAX_ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
     const int64_t kv_stride = pb.kv_heads * pb.hd;
 
-    for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
-        const int keys = (int)std::min<int64_t>(CHUNK, key_end - j0);
+    auto fill = [&](int64_t j0, const float** kr, const float** vr) {
+        const int keys = (int)std::max<int64_t>(0, std::min<int64_t>(CHUNK, key_end - j0));
         for (int j = 0; j < keys; ++j) {
             const int64_t key = j0 + j;
             const int64_t slot = table[key / pb.block_size] * pb.block_size + key % pb.block_size;
-            krow[j] = pb.k_pool + slot * kv_stride + u.head * pb.hd;
-            vrow[j] = pb.v_pool + slot * kv_stride + u.head * pb.hd;
+            kr[j] = pb.k_pool + slot * kv_stride + u.head * pb.hd;
+            vr[j] = pb.v_pool + slot * kv_stride + u.head * pb.hd;
         }
+        return keys;
+    };
+    int next_keys = fill(key_begin, knext, vnext);
+    for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
+        std::swap(krow, knext);
+        std::swap(vrow, vnext);
+        const int keys = next_keys;
+        next_keys = fill(j0 + CHUNK, knext, vnext);
         switch (rv) {
-            case 1: score_chunk<1>(krow, keys, qt, hd, st); break;
-            case 2: score_chunk<2>(krow, keys, qt, hd, st); break;
-            case 3: score_chunk<3>(krow, keys, qt, hd, st); break;
-            default: score_chunk<4>(krow, keys, qt, hd, st); break;
+            case 1: score_chunk<1>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
+            case 2: score_chunk<2>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
+            case 3: score_chunk<3>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
+            default: score_chunk<4>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
         }
         const bool masked = (float)(j0 + keys - 1) > min_hi || (float)j0 < max_lo;
         for (int v = 0; v < rv; ++v) {
