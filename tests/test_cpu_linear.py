@@ -118,3 +118,19 @@ def test_engine_cpu_matmul_setting_chooses_the_path_and_both_agree(tiny_llama_pa
     for setting in ("native", "onednn"):
         assert outputs[setting][0] == outputs["torch"][0]
         assert outputs[setting][1] == pytest.approx(outputs["torch"][1], abs=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_native_norm_and_gating_equal_torch(rows):
+    """RMSNorm and SiLU(gate) * up through the native ops (what a native-packed model runs) against torch."""
+    from reuse_server.model import cpu_ops
+
+    ops = cpu_ops.load()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen)[:, 3:197]  # a strided view; 194 columns: a partial vector at the end
+    weight = torch.randn(194, generator=gen)
+    ref = F.rms_norm(x.double(), (194,), weight.double(), 1e-5)
+    assert torch.allclose(ops.rms_norm(x, weight, 1e-5).double(), ref, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(rows, 2 * 130, generator=gen) * 6
+    gate, up = gate_up.double().chunk(2, -1)
+    assert torch.allclose(ops.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)

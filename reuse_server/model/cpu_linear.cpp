@@ -10,16 +10,14 @@
 
 #include <omp.h>
 
+#include "cpu_vector.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+using namespace kv;
 
 constexpr int PANEL = 64;
 constexpr int TILE_ROWS = 6;
-
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
 
 template <int RT>
 void tile(const float* x, int64_t ldx, const float* panel, const float* bias, int64_t k, float* y, int64_t ldy,

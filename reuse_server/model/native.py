@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp): built once into one shared library, loaded with ctypes.
+"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_ops.cpp): built once into one shared library, loaded with ctypes.
 
 They are compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`:
 gcc's vector extensions become AVX-512, AVX2 or SSE code), into the cache folder next to the converted
@@ -23,7 +23,8 @@ from .gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"
 
@@ -46,7 +47,7 @@ def _cpu_signature() -> str:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in [s.read_bytes() for s in SOURCES] + [version.encode(), " ".join(FLAGS).encode(),
+    for part in [s.read_bytes() for s in SOURCES + HEADERS] + [version.encode(), " ".join(FLAGS).encode(),
                                                      _cpu_signature().encode()]:
         digest.update(part)
     return default_cache_dir() / "kernels" / f"{PREFIX}{digest.hexdigest()[:16]}.so"
