@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
         path = resolve_model(config.model)
         dtype = resolve_dtype(config.dtype, config.device)
         self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
