@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="the server's step budget: the largest batch of activations")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="one more `reuse-server serve` argument, e.g. --serve-arg=--cpu-attention=torch (repeatable)")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with server_process("--model", args.model, "--kv-cache-memory", args.kv_cache_memory,
                         "--block-size", str(args.block_size),
-                        "--max-num-batched-tokens", str(args.max_num_batched_tokens)) as (url, proc):
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.serve_arg) as (url, proc):
         model = served_model(url)
         blocks = int(metrics(url)["kvreuse_kv_blocks_total"])
         pool = blocks * per_block

@@ -1,6 +1,7 @@
 """The synchronous engine: requests in, one scheduler step at a time, outputs out."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -26,6 +27,16 @@ from reuse_server.scheduler import Scheduler
 from reuse_server.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
+
+
+def _return_freed_memory() -> None:
+    """Give the heap memory that loading freed (dense weights copied into packed layouts, conversion and
+    calibration temporaries) back to the system: glibc keeps freed chunks below its mmap threshold mapped,
+    and they showed as ~90 MiB of resident memory after start (BENCHMARKS.md, Memory)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -91,6 +102,7 @@ class LLMEngine:
         self.metrics = None  # ServerMetrics, attached by the server
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)
+        _return_freed_memory()
 
     # ---- requests -------------------------------------------------------------------------
     @property

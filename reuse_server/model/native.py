@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from .gguf_convert import default_cache_dir
@@ -62,9 +63,14 @@ def _build(compiler: str, target: Path) -> None:
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders (test workers, servers) each finish whole
-        for stale in target.parent.glob(f"{PREFIX}*.so"):  # builds of earlier sources or compilers
-            if stale != target:
-                stale.unlink(missing_ok=True)
+        # Builds of earlier sources or compilers; an hour old, so that a checkout of other sources sharing
+        # this folder and building right now does not lose its library before loading it.
+        for stale in target.parent.glob(f"{PREFIX}*.so"):
+            try:
+                if stale != target and time.time() - stale.stat().st_mtime > 3600:
+                    stale.unlink()
+            except FileNotFoundError:  # another builder removed it first
+                pass
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
