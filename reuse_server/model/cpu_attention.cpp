@@ -7,7 +7,7 @@
 // so K rows are read straight from the pool and the online softmax runs lane-wise, without horizontal
 // reductions. Then O[row][:] += P[row][key] * V[key][:] over 24/(head_dim/16) rows at a time. A unit with
 // few units beside it splits its keys into several tasks (flash-decoding) whose partial results are merged.
-// Compiled at first use with the host's own instruction set (see cpu_attention.py); gcc vector extensions
+// Compiled at first use with the host's own instruction set (see native.py); gcc vector extensions
 // become AVX-512, AVX2 or SSE code.
 #include <algorithm>
 #include <cmath>
@@ -130,6 +130,7 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const int rv = (int)((u.rows + LANES - 1) / LANES);
 
     std::memset(qt, 0, sizeof(float) * hd * MAX_ROWS);
+    std::memset(st, 0, sizeof st);  // lanes past the unit's rows are read by the last PV tile, never written
     float min_hi = INFINITY, max_lo = -INFINITY;
     for (int r = 0; r < MAX_ROWS; ++r) { hi[r] = INFINITY; lo[r] = -INFINITY; }
     for (int64_t r = 0; r < u.rows; ++r) {
