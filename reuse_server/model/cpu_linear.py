@@ -76,7 +76,7 @@ class NativeLinear(nn.Module):
         panels = -(-self.out_features // PANEL)
         pad = panels * PANEL - self.out_features
         with torch.no_grad():
-            w = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad))
+            w = torch.nn.functional.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
             self.__dict__["panels"] = w.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
             self.__dict__["bias"] = None if bias is None else torch.nn.functional.pad(bias.detach(), (0, pad)).contiguous()
         self.__dict__["_fn"] = library.kv_linear_f32
