@@ -50,8 +50,8 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], want_logits: list[bool]) -> torch.Tensor | None:
         """Compute the chunks' KV; return logits [k, vocab] for the chunks flagged in want_logits (in order)."""
         input_ids, positions, meta = self.build(chunks)
-        hidden = self.model(input_ids, positions, meta, self.kv)
         last = [meta.query_start[i + 1] - 1 for i, w in enumerate(want_logits) if w]
-        if not last:
-            return None
-        return self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
+        # the last layer goes on only for the tokens whose logits are wanted (~3% of a prefill)
+        hidden = self.model(input_ids, positions, meta, self.kv, torch.tensor(last, dtype=torch.long,
+                                                                               device=input_ids.device))
+        return self.model.compute_logits(hidden) if last else None

@@ -321,3 +321,28 @@ def test_warm_queries_over_a_consecutive_prefix_match_transformers(checkpoints, 
     warm = run_step(ours, pool, [(seq, list(range(62, n)), n)])  # 13 queries at positions 62..74
     assert rel_err(warm, expected[62:]) <= REL_TOL
     assert bool(used) == split
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+def test_output_rows_skip_the_last_layer_for_the_others_but_keep_their_kv(checkpoints, name, attention):
+    """With output_rows the last layer attends and runs its MLP only for those tokens (what the runner asks
+    for: the rows whose logits it samples). Their logits are the full forward's, and every token's K/V is
+    still written: a chunk computed with no output rows at all serves the next chunk exactly."""
+    ours, config, ref = models(checkpoints, name, attention=attention)
+    pool = new_pool(config)
+    (seq,) = make_sequences([30], pool, config.vocab_size, seed=21)
+    expected = reference_logits(ref, seq.token_ids)
+
+    def step(positions, ctx, rows):
+        meta = AttentionMetadata([0, len(positions)], [seq.block_table], [ctx], torch.tensor(seq.slots(positions)))
+        with torch.inference_mode():
+            hidden = ours(torch.tensor([seq.token_ids[p] for p in positions]), torch.tensor(positions), meta, pool,
+                          torch.tensor(rows, dtype=torch.long))
+            return ours.compute_logits(hidden)
+
+    assert step(list(range(12)), 12, []).shape[0] == 0  # a chunk mid-prompt: K/V only
+    picked = step(list(range(12, 25)), 25, [0, 5, 12])
+    assert rel_err(picked, expected[[12, 17, 24]]) <= REL_TOL
+    rest = run_step(ours, pool, [(seq, list(range(25, 30)), 30)])  # attends over all 25 earlier tokens' K/V
+    assert rel_err(rest, expected[25:30]) <= REL_TOL

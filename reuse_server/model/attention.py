@@ -28,6 +28,19 @@ class AttentionMetadata:
     def num_sequences(self) -> int:
         return len(self.query_start) - 1
 
+    def subset(self, rows: torch.Tensor) -> "AttentionMetadata":
+        """The same sequences with only the query tokens at `rows` (ascending indices into this step's
+        tokens); a sequence may keep none."""
+        picked = rows.tolist()
+        starts, i = [0], 0
+        for end in self.query_start[1:]:
+            while i < len(picked) and picked[i] < end:
+                i += 1
+            starts.append(i)
+        if i != len(picked):
+            raise ValueError(f"rows {picked} are not ascending indices below {self.query_start[-1]}")
+        return AttentionMetadata(starts, self.block_tables, self.context_lens, self.slot_mapping[rows])
+
     def cached(self, positions: torch.Tensor, key, build):
         """build(), computed once per positions tensor and key and then shared by every layer of a forward
         pass (masks, RoPE cos/sin). Keyed on the tensor object: do not modify positions in place."""

@@ -85,12 +85,17 @@ class Attention(nn.Module):
         cos, sin = rotary.cos_sin(positions, q.dtype)
         return apply_rotary(q, cos, sin)
 
-    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding):
-        t = hidden.shape[0]
+    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding,
+                rows: torch.Tensor | None = None):
+        """Writes every token's K/V; attends and returns [T, hidden] for all tokens, or for `rows` only
+        (ascending indices into the T tokens)."""
         qk, v = self._project(hidden)
         qk = _rotate(qk, positions, meta, rotary)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
+        if rows is not None:
+            q, positions, meta = q[rows], positions[rows], meta.subset(rows)
+        t = q.shape[0]
         if self.kernel is not None and self.kernel.takes(q, kv):
             plan = meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
                 meta.query_start, meta.block_tables, meta.context_lens, positions, kv.block_size, kv.num_blocks))
@@ -146,11 +151,13 @@ class DecoderLayer(nn.Module):
         # Shared, not owned: a plain attribute keeps it out of this layer's state dict.
         self.__dict__["rotary"] = rotary
 
-    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int | None = None):
-        """hidden [T, hidden] -> [T, hidden], residuals included. Writes this layer's K/V of the T tokens
-        at meta.slot_mapping."""
+    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int | None = None,
+                rows: torch.Tensor | None = None):
+        """hidden [T, hidden] -> [T, hidden] (or [len(rows), hidden]: only those tokens go on through attention
+        and the MLP), residuals included. Writes this layer's K/V of all T tokens at meta.slot_mapping."""
         idx = self.layer_idx if layer_idx is None else layer_idx
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx, self.rotary)
+        attended = self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx, self.rotary, rows)
+        hidden = (hidden if rows is None else hidden[rows]) + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def project_kv(self, hidden, positions, meta: AttentionMetadata):
@@ -225,9 +232,13 @@ class LlamaModel(nn.Module):
             return self.lm_head(hidden_after_norm).float()
         return F.linear(hidden_after_norm, self.embed_tokens.weight).float()
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden]."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv, output_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden], or only those of
+        `output_rows` (ascending indices into the T tokens: the ones whose logits are wanted), whose last layer
+        then attends and runs its MLP for those rows alone (every token's K/V is still written)."""
         hidden = self.embed(input_ids)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, meta, kv, i)
+            hidden = layer(hidden, positions, meta, kv, i, output_rows if i == last else None)
         return self.final_norm(hidden)
