@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reuse_server.kv_pool import KVPool
-from reuse_server.model import cpu_attention
+from reuse_server.model import cpu_attention, native
 from reuse_server.model.cpu_attention import KernelPlan
 
 TOL = 2e-5  # max |kernel - reference| / max |reference|, fp32 against float64
@@ -20,7 +20,7 @@ TOL = 2e-5  # max |kernel - reference| / max |reference|, fp32 against float64
 @pytest.fixture(scope="module")
 def kernel():
     loaded = cpu_attention.load()
-    assert loaded is not None, cpu_attention.failure()
+    assert loaded is not None, native.failure()
     return loaded
 
 

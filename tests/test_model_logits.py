@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reuse_server.kv_pool import KVPool
-from reuse_server.model import AttentionMetadata, attention, cpu_attention, load_model
+from reuse_server.model import AttentionMetadata, attention, load_model, native
 from tiny_checkpoint import write_tiny_checkpoint
 
 REL_TOL = 1e-4
@@ -101,7 +101,7 @@ def models(checkpoints, name, matmul="native", attention="torch"):
     if (name, matmul, attention) not in _loaded:
         ours, config = load_model(checkpoints[name])
         ours.pack_for_cpu(matmul)
-        assert ours.use_cpu_attention_kernel(attention == "kernel") == (attention == "kernel"), cpu_attention.failure()
+        assert ours.use_cpu_attention_kernel(attention == "kernel") == (attention == "kernel"), native.failure()
         ref = AutoModelForCausalLM.from_pretrained(checkpoints[name], attn_implementation="eager", dtype=torch.float32)
         _loaded[name, matmul, attention] = (ours, config, ref.eval())
     return _loaded[name, matmul, attention]

@@ -10,36 +10,23 @@ batches several times (BENCHMARKS.md)."""
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 import torch
 
 from . import native
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I]
-_lock = threading.Lock()
-_kernel: "CpuAttentionKernel | None" = None
 
-
+@functools.cache
 def load() -> "CpuAttentionKernel | None":
     """The kernel, built on first use; None where it cannot be built (`native.failure()` says why)."""
-    global _kernel
-    with _lock:
-        if _kernel is None and (library := native.load()) is not None:
-            _kernel = CpuAttentionKernel(library)
-        return _kernel
-
-
-def failure() -> str | None:
-    return native.failure()
+    library = native.load()
+    return None if library is None else CpuAttentionKernel(library)
 
 
 class CpuAttentionKernel:
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.kv_paged_attention_f32
-        self._fn.argtypes = _ARGTYPES
-        self._fn.restype = ctypes.c_int
 
     @staticmethod
     def takes(q: torch.Tensor, kv) -> bool:
@@ -84,10 +71,9 @@ class KernelPlan:
             info.append((lo, hi, ctx, offset))
             offset += len(block_tables[s])
         self.positions = positions.to(torch.int64).contiguous()
-        if self.positions.numel():
-            lows = [self.positions[lo:hi].min() for lo, hi, _, _ in info if hi > lo]
-            highs = [self.positions[lo:hi].max() - ctx for lo, hi, ctx, _ in info if hi > lo]
-            if lows and (int(torch.stack(lows).min()) < 0 or int(torch.stack(highs).max()) >= 0):
+        if self.positions.numel():  # each token's position against its own sequence's context length
+            limits = torch.tensor(context_lens).repeat_interleave(torch.tensor(query_start).diff())
+            if bool((self.positions < 0).any()) or bool((self.positions >= limits).any()):
                 raise ValueError("query positions must lie in [0, context length) of their sequence")
         self.num_sequences = n
         self.seq_info = torch.tensor(info, dtype=torch.int64).reshape(n, 4)

@@ -13,8 +13,6 @@ Kinds: "native" (fp32; oneDNN where the kernels cannot be built or for bf16), "o
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
@@ -80,9 +78,6 @@ class NativeLinear(nn.Module):
             self.__dict__["panels"] = w.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
             self.__dict__["bias"] = None if bias is None else torch.nn.functional.pad(bias.detach(), (0, pad)).contiguous()
         self.__dict__["_fn"] = library.kv_linear_f32
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-        self._fn.restype = None
 
     @classmethod
     def stacked(cls, linears) -> "NativeLinear":

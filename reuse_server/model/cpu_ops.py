@@ -4,22 +4,17 @@ instead of torch's six and two ops (a warm request's 17 rows: ~50 us -> a few us
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from . import native
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-
 
 class NativeOps:
     def __init__(self, library: ctypes.CDLL):
         self._rms_norm = library.kv_rms_norm_f32
-        self._rms_norm.argtypes = [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I]
-        self._rms_norm.restype = None
         self._silu_mul = library.kv_silu_mul_f32
-        self._silu_mul.argtypes = [_P, _I, _I, _P, _I]
-        self._silu_mul.restype = None
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -40,12 +35,8 @@ class NativeOps:
         return out
 
 
-_ops: NativeOps | None = None
-
-
+@functools.cache
 def load() -> NativeOps | None:
     """The ops, built with the other kernels on first use; None where they cannot be built."""
-    global _ops
-    if _ops is None and (library := native.load()) is not None:
-        _ops = NativeOps(library)
-    return _ops
+    library = native.load()
+    return None if library is None else NativeOps(library)

@@ -212,7 +212,7 @@ class LlamaModel(nn.Module):
     def use_cpu_attention_kernel(self, enable: bool = True) -> bool:
         """Attend through the CPU kernel (cpu_attention) wherever it takes the tensors (fp32 on the CPU), or,
         with enable=False, through torch. Returns whether the kernel is in use; False where it cannot be
-        built (`cpu_attention.failure()` says why)."""
+        built (`native.failure()` says why)."""
         kernel = cpu_attention.load() if enable else None
         for layer in self.layers:
             layer.self_attn.__dict__["kernel"] = kernel

@@ -29,6 +29,15 @@ HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"
 
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# The kernels' C signatures (argument types, result type), declared once for every caller.
+SIGNATURES = {
+    "kv_paged_attention_f32": ([_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
+    "kv_linear_f32": ([_P, _I, _I, _I, _P, _P, _I, _P, _I], None),
+    "kv_rms_norm_f32": ([_P, _I, _I, _I, _P, _F, _P, _I], None),
+    "kv_silu_mul_f32": ([_P, _I, _I, _P, _I], None),
+}
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
@@ -90,7 +99,11 @@ def load() -> ctypes.CDLL | None:
             if not path.exists():
                 log.info("building the CPU kernels with %s (once)", compiler)
                 _build(compiler, path)
-            _library = ctypes.CDLL(str(path))
+            library = ctypes.CDLL(str(path))
+            for name, (argtypes, restype) in SIGNATURES.items():
+                fn = getattr(library, name)
+                fn.argtypes, fn.restype = argtypes, restype
+            _library = library
         except Exception as exc:  # noqa: BLE001 - any failure means: keep torch's and oneDNN's paths
             _failure = f"{type(exc).__name__}: {exc}"
             log.warning("C++ CPU kernels unavailable, using torch's and oneDNN's paths: %s", _failure)
