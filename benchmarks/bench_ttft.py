@@ -85,7 +85,7 @@ class TextSource:
 
 def chat_tokens(tokenizer, messages: list[dict]) -> int:
     """Prompt tokens of `messages` as the server counts them (each chunk tokenized alone)."""
-    return sum(len(c.tokens) for c in render_chat_chunks(tokenizer, messages, part_separator=""))
+    return sum(len(c.tokens) for c in render_chat_chunks(tokenizer, messages))
 
 
 def conversation(tokenizer, source: TextSource, total_tokens: int, question: str) -> list[dict]:

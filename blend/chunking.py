@@ -26,6 +26,11 @@ from blend.token_cache import MIN_CACHED_CHARS, cache_for
 
 log = logging.getLogger(__name__)
 
+# Text parts of one message are joined with a newline, as vLLM does for string-content chat templates
+# (clients send parts expecting it). The separator is framing: it forms its own small chunk between parts,
+# so a passage's tokens stay the same wherever it appears.
+PART_SEPARATOR = "\n"
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -109,7 +114,7 @@ def _message_parts(message: dict) -> list[str]:
     raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
 
 
-def flatten_messages(messages: Sequence[dict], part_separator: str = "\n") -> list[dict]:
+def flatten_messages(messages: Sequence[dict], part_separator: str = PART_SEPARATOR) -> list[dict]:
     """Messages with list-of-text-parts content joined into one string by ``part_separator``
     (the form string-content chat templates such as ChatML expect)."""
     out = []
@@ -127,7 +132,7 @@ def render_chat_chunks(
     *,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
-    part_separator: str = "\n",
+    part_separator: str = PART_SEPARATOR,
     **template_kwargs: Any,
 ) -> list[Chunk]:
     """Chat prompt as chunks: each message's content (each text part of a list content)
@@ -190,7 +195,7 @@ def render_chat_chunks(
     return chunks
 
 
-def chat_opening(tokenizer: Any, part_separator: str = "\n") -> list[int]:
+def chat_opening(tokenizer: Any, part_separator: str = PART_SEPARATOR) -> list[int]:
     """The tokens a chat prompt puts before the first user message's content (a default system prompt,
     the user header): what a chunk sees before it when it comes first. Empty for a tokenizer without a
     chat template, or one whose template rejects a lone user message."""

@@ -40,7 +40,7 @@ def calibration_chats(tokenizer, paragraphs=PARAGRAPHS) -> tuple[list[int], list
     n = len(paragraphs)
     orders = [[(c + 3 * j) % n for j in range(PASSAGES_PER_CHAT)] for c in range(n // 2)]
     passages = [list(encode(tokenizer, p)) for p in paragraphs]
-    opening = chat_opening(tokenizer, part_separator="")  # what POST /v1/cache/chunks computes a document after
+    opening = chat_opening(tokenizer)  # what POST /v1/cache/chunks computes a document after
     return opening, [[passages[i] for i in order] for order in orders]
 
 

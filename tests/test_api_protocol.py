@@ -150,18 +150,30 @@ def _chat_chunk_case():
         {"role": "user", "content": [{"type": "text", "text": "Document one. "}, {"type": "text", "text": "capi"},
                                      {"type": "text", "text": "tal of France?"}]},
     ]
+    # vLLM's convention for string-content templates: a message's text parts joined with "\n"
     joined = [{"role": "system", "content": "Be brief."},
-              {"role": "user", "content": "Document one. capital of France?"}]
+              {"role": "user", "content": "Document one. \ncapi\ntal of France?"}]
     return ChatCompletionRequest(messages=messages).messages, joined
+
+
+def test_text_parts_are_joined_with_a_newline_as_vllm_does(tokenizer):
+    messages, joined = _chat_chunk_case()
+    ids, _ = render_chat_prompt(tokenizer, messages)
+    text = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(ids) == text
+    assert "Document one. \ncapi\ntal of France?<|im_end|>" in tokenizer.decode(ids)
 
 
 def test_chat_chunks_concatenate_to_the_templates_rendering(tokenizer):
     messages, joined = _chat_chunk_case()
     chunks = render_chat_chunks(tokenizer, conversation(messages), part_separator=PART_SEPARATOR)
     text = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
-    assert "".join(c.text for c in chunks) == text  # parts are joined verbatim, as the template sees them
+    assert "".join(c.text for c in chunks) == text
     assert text.endswith("<|im_start|>assistant\n")
     assert [c.text for c in chunks if c.reusable] == ["Be brief.", "Document one. ", "capi", "tal of France?"]
+    # the separator is framing of its own between the parts, not glued to a passage
+    user = [c.text for c in chunks][[c.text for c in chunks].index("Document one. "):]
+    assert user[:5] == ["Document one. ", "\n", "capi", "\n", "tal of France?"]
 
 
 def test_chat_prompt_is_the_chunks_tokenized_alone(tokenizer):
@@ -173,11 +185,9 @@ def test_chat_prompt_is_the_chunks_tokenized_alone(tokenizer):
                                                                   "tal of France?"]
     assert [ids[s:s + n] for s, n in spans][1:] == [list(encode(tokenizer, t)) for t in
                                                    ["Document one. ", "capi", "tal of France?"]]
-    # Tokenizing the whole rendering at once merges across the "capi" | "tal" boundary: the chunked prompt
-    # differs from it in tokens but not in text.
     whole = tokenizer.encode(tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False),
                              add_special_tokens=False)
-    assert ids != whole and tokenizer.decode(ids) == tokenizer.decode(whole)
+    assert tokenizer.decode(ids) == tokenizer.decode(whole)
 
 
 def test_chat_message_position_does_not_change_its_tokens(tokenizer):

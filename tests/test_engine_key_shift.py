@@ -135,7 +135,7 @@ def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
     kls = []
     for order in ([3, 0, 2, 1], [1, 3, 0, 2], [2, 1, 3, 0]):
         parts = [{"type": "text", "text": texts[i]} for i in order] + [{"type": "text", "text": QUESTION}]
-        chunks = render_chat_chunks(tok, [{"role": "user", "content": parts}], part_separator="")
+        chunks = render_chat_chunks(tok, [{"role": "user", "content": parts}])
         ids, spans, pos = [], [], 0
         for c in chunks:
             if c.reusable:

@@ -6,15 +6,12 @@ generation prompt) forms small chunks that are always computed. See `blend.chunk
 """
 from __future__ import annotations
 
-from blend.chunking import chat_opening, render_chat_chunks
+from blend.chunking import PART_SEPARATOR, chat_opening, render_chat_chunks
 from jinja2 import TemplateError
 
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
 from reuse_server.sampling_params import InvalidRequest
-
-# Text parts of one message are joined verbatim: the client picks any separator (e.g. a trailing "\n\n").
-PART_SEPARATOR = ""
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
