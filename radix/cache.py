@@ -8,11 +8,12 @@ Every block id in `range(num_blocks)` is in exactly one state:
 from __future__ import annotations
 
 import itertools
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from radix.errors import OutOfBlocks, RadixError
+from radix.events import BlockRecord, CacheListener
 from radix.hashing import BlockHasher
 from radix.node import TreeNode
 from radix.policy import EvictionPolicy, EvictionQueue, make_policy
@@ -50,12 +51,12 @@ class InsertResult(NamedTuple):
     inserted_block_ids: list[int]
 
 
-def _as_extra(extra: bytes) -> bytes:
-    if isinstance(extra, bytes):
-        return extra
-    if isinstance(extra, (bytearray, memoryview)):
-        return bytes(extra)
-    raise TypeError(f"extra must be bytes, got {type(extra).__name__}")
+def _as_namespace(namespace: bytes) -> bytes:
+    if isinstance(namespace, bytes):
+        return namespace
+    if isinstance(namespace, (bytearray, memoryview)):
+        return bytes(namespace)
+    raise TypeError(f"namespace must be bytes, got {type(namespace).__name__}")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -66,9 +67,10 @@ def _require(condition: bool, message: str) -> None:
 class RadixCache:
     """Radix tree of chained block hashes over a pool of `num_blocks` KV blocks.
 
+    `identity` seeds every chain (the engine passes its model fingerprint, see radix.hashing).
+    `listener` hears every block stored in and removed from the tree (radix.events): `insert`,
+    `insert_tail` and `_release_evicted` send the events.
     `hash_bits` truncates every block hash to that many bits: TEST-ONLY, to force collisions.
-    `on_evict(block_ids)` is called after blocks are evicted (they are already free); it must not
-    call back into the cache.
     """
 
     def __init__(
@@ -76,17 +78,17 @@ class RadixCache:
         num_blocks: int,
         block_size: int = 16,
         hash_algo: str = "xxh3_128",
-        seed: int = 0,
+        identity: bytes = b"",
         policy: "str | EvictionPolicy" = "lru",
-        on_evict: Callable[[list[int]], None] | None = None,
+        listener: CacheListener | None = None,
         hash_bits: int | None = None,
     ):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative integer, got {num_blocks!r}")
-        self.hasher = BlockHasher(block_size, hash_algo, seed, truncate_bits=hash_bits)
+        self.hasher = BlockHasher(block_size, hash_algo, identity, truncate_bits=hash_bits)
         self.block_size = self.hasher.block_size
         self.num_blocks = int(num_blocks)
-        self.on_evict = on_evict
+        self.listener = listener
         self._block_bytes = self.hasher.block_bytes
         self._root = TreeNode(None, b"", [], [], b"")
         self._state = bytearray(self.num_blocks)  # FREE / CALLER / TREE per block id
@@ -113,8 +115,8 @@ class RadixCache:
     def policy(self) -> EvictionPolicy:
         return self._queue.policy
 
-    def match(self, tokens: TokenInput, extra: bytes = b"", record_stats: bool = True) -> MatchResult:
-        """Longest cached prefix of `tokens` (full blocks only) under `extra`.
+    def match(self, tokens: TokenInput, namespace: bytes = b"", record_stats: bool = True) -> MatchResult:
+        """Longest cached prefix of `tokens` (full blocks only) under `namespace`.
 
         Every matched block's stored tokens are compared with the prompt's, so a hash collision can
         never return wrong KV. A node matched only in part is split so that `node` ends exactly at the
@@ -122,10 +124,10 @@ class RadixCache:
         re-matches without counting the query, hits or LFU frequency again.
         """
         arr = as_token_array(tokens)
-        extra = _as_extra(extra)
+        namespace = _as_namespace(namespace)
         n_blocks = len(arr) // self.block_size
         data = arr[: n_blocks * self.block_size].tobytes()
-        node, matched, block_ids, _ = self._walk(data, n_blocks, extra, count_hit=record_stats)
+        node, matched, block_ids, _ = self._walk(data, n_blocks, namespace, count_hit=record_stats)
         if node in self._queue:
             self._queue.add(node)  # its priority changed
         if record_stats:
@@ -133,7 +135,7 @@ class RadixCache:
             self._hit_tokens += matched * self.block_size
         return MatchResult(block_ids, matched * self.block_size, node)
 
-    def insert(self, tokens: TokenInput, block_ids: Sequence[int], extra: bytes = b"") -> InsertResult:
+    def insert(self, tokens: TokenInput, block_ids: Sequence[int], namespace: bytes = b"") -> InsertResult:
         """Add the full blocks of `tokens`, whose KV lies in `block_ids` (block i holds tokens[i*bs:(i+1)*bs]).
 
         Blocks whose chain position is already cached are left as they are: if the given id is the
@@ -142,7 +144,7 @@ class RadixCache:
         (evictable until locked). Ids beyond the full blocks are ignored and stay caller-owned.
         """
         arr = as_token_array(tokens)
-        extra = _as_extra(extra)
+        namespace = _as_namespace(namespace)
         n_blocks = len(arr) // self.block_size
         if len(block_ids) < n_blocks:
             raise ValueError(f"insert got {len(block_ids)} block ids for {n_blocks} full blocks")
@@ -153,7 +155,7 @@ class RadixCache:
         if len(set(given)) != n_blocks:
             raise ValueError("insert got the same block id twice")
         data = arr[: n_blocks * self.block_size].tobytes()
-        node, matched, tree_ids, parent_hash = self._walk(data, n_blocks, extra, count_hit=False)
+        node, matched, tree_ids, parent_hash = self._walk(data, n_blocks, namespace, count_hit=False)
         if node in self._queue:
             self._queue.add(node)  # its priority changed
 
@@ -170,8 +172,10 @@ class RadixCache:
 
         if not new_ids:
             return InsertResult(node, duplicates, [])
-        hashes = self.hasher.chain_bytes(parent_hash, data, matched, n_blocks, extra)
-        child = TreeNode(node, data[matched * self._block_bytes:], list(new_ids), hashes, extra)
+        hashes = self.hasher.chain_bytes(parent_hash, data, matched, n_blocks)
+        child = TreeNode(node, data[matched * self._block_bytes:], list(new_ids), hashes, namespace)
+        if self.listener is not None:
+            self.listener.stored(self._records(child, parent_hash, 0))
         child.last_access = self._clock
         self._queue.discard(node)  # no longer a leaf
         node.add_child(child)
@@ -208,7 +212,7 @@ class RadixCache:
         for tail in [t for t in same_start if t.key == TAIL_KEY and data.startswith(t.tokens) and t.lock_ref == 0]:
             self._drop_leaf(tail)
         self._clock += 1
-        child = TreeNode(node, data, [block_id], [TAIL_KEY], node.extra)
+        child = TreeNode(node, data, [block_id], [TAIL_KEY], node.namespace)
         child.last_access = self._clock
         self._queue.discard(node)  # no longer a leaf
         node.add_child(child)
@@ -216,9 +220,11 @@ class RadixCache:
         self._num_caller -= 1
         self._num_evictable += 1
         self._queue.add(child)
+        if self.listener is not None:
+            self.listener.stored(self._records(child, node.hashes[-1], 0))
         return child
 
-    def match_partial(self, node: TreeNode, tokens: TokenInput, extra: bytes = b"") -> PartialMatch | None:
+    def match_partial(self, node: TreeNode, tokens: TokenInput, namespace: bytes = b"") -> PartialMatch | None:
         """The block right after `node`'s chain that shares the most leading tokens with `tokens` (what
         follows the chain in the prompt, where `match` stopped): a tail of `node` or the first block of one
         of its children. None when none shares even the first token.
@@ -231,10 +237,10 @@ class RadixCache:
         if not len(arr):
             return None
         data, item = arr.tobytes(), TOKEN_DTYPE.itemsize
-        extra = _as_extra(extra)
+        namespace = _as_namespace(namespace)
         best, best_n = None, 0
         for child in node.by_first_token.get(data[:item], ()):
-            if node is self._root and child.extra != extra:
+            if node is self._root and child.namespace != namespace:
                 continue
             stored = child.tokens[: self._block_bytes]
             if stored.startswith(data):
@@ -331,23 +337,37 @@ class RadixCache:
         """Evict up to `num_blocks` blocks from evictable leaves in policy order; return their ids.
 
         A leaf bigger than what is still needed loses only its last blocks, so exactly
-        min(num_blocks, evictable) blocks are freed. `on_evict` gets the freed ids.
+        min(num_blocks, evictable) blocks are freed. The listener hears of every named block removed.
         """
         freed: list[int] = []
+        records: list[BlockRecord] = []
         queue = self._queue
         while len(freed) < num_blocks:
             leaf = queue.pop()
             if leaf is None:
                 break
             wanted = num_blocks - len(freed)
-            if wanted < leaf.num_blocks:
+            keep = leaf.num_blocks - wanted if wanted < leaf.num_blocks else 0
+            if self.listener is not None:
+                records += self._records(leaf, self._parent_hash(leaf), keep)
+            if keep:
                 freed.extend(leaf.truncate(wanted, self._block_bytes))
                 queue.add(leaf)
                 break
             freed.extend(leaf.block_ids)
             self._detach_leaf(leaf)
-        self._release_evicted(freed)
+        self._release_evicted(freed, records)
         return freed
+
+    def _parent_hash(self, node: TreeNode) -> bytes:
+        """The hash the first block of `node` is chained from."""
+        return self.hasher.root(node.namespace) if node.parent is self._root else node.parent.hashes[-1]
+
+    def _records(self, node: TreeNode, parent_hash: bytes, start: int) -> list[BlockRecord]:
+        """Event records of `node`'s blocks from its `start`-th on (a tail's hash is empty: not a name)."""
+        bb, hashes = self._block_bytes, node.hashes
+        return [BlockRecord(hashes[i], hashes[i - 1] if i else parent_hash, node.tokens[i * bb:(i + 1) * bb],
+                            node.namespace, node.block_ids[i]) for i in range(start, node.num_blocks)]
 
     def _detach_leaf(self, leaf: TreeNode) -> None:
         """Take an evicted leaf out of the tree; its parent may become an evictable leaf."""
@@ -357,8 +377,9 @@ class RadixCache:
         if parent is not self._root and not parent.children and parent.lock_ref == 0:
             self._queue.add(parent)
 
-    def _release_evicted(self, freed: list[int]) -> None:
-        """Evicted tree blocks become free (counted, reported to on_evict)."""
+    def _release_evicted(self, freed: list[int], records: list[BlockRecord]) -> None:
+        """Evicted tree blocks become free (counted); the listener hears of the named ones while their KV
+        is still intact (nobody has been handed the ids yet)."""
         if not freed:
             return
         for block in freed:
@@ -366,15 +387,16 @@ class RadixCache:
         self._free.extend(freed)
         self._num_evictable -= len(freed)
         self._evicted_blocks += len(freed)
-        if self.on_evict is not None:
-            self.on_evict(list(freed))
+        if records:
+            self.listener.removed(records)
 
     def _drop_leaf(self, leaf: TreeNode) -> None:
         """Evict one unlocked leaf now, whatever the policy order (a tail superseded by a longer one)."""
         assert leaf.lock_ref == 0 and not leaf.children
+        records = self._records(leaf, self._parent_hash(leaf), 0) if self.listener is not None else []
         self._queue.discard(leaf)
         self._detach_leaf(leaf)
-        self._release_evicted(list(leaf.block_ids))
+        self._release_evicted(list(leaf.block_ids), records)
 
     def reset_prefix_cache(self) -> bool:
         """Evict every evictable block; True when the tree is now empty (no request held a lock)."""
@@ -422,7 +444,7 @@ class RadixCache:
                     _require(child.parent is node, "child's parent pointer is wrong")
                     _require(n > 0, "node without blocks")
                     _require(child.key == key, "child filed under a key that is not its first hash")
-                    _require(node is self._root or child.extra == node.extra, "extra differs from parent's")
+                    _require(node is self._root or child.namespace == node.namespace, "namespace differs from parent's")
                     if key == TAIL_KEY:
                         _require(node is not self._root and n == 1 and not child.children, "a tail is one leaf block")
                         _require(0 < len(child.tokens) < bb and len(child.tokens) % TOKEN_DTYPE.itemsize == 0,
@@ -431,12 +453,12 @@ class RadixCache:
                                  "two tails of one node hold the same tokens")
                     else:
                         _require(len(child.tokens) == n * bb and len(child.hashes) == n, "node run lengths disagree")
-                        first = (child.tokens[:bb], child.extra)
+                        first = (child.tokens[:bb], child.namespace)
                         _require(first not in first_blocks, "two siblings start with the same block")
                         first_blocks.add(first)
                     if check_hashes and key != TAIL_KEY:
-                        parent_hash = self.hasher.root_hash if node is self._root else node.hashes[-1]
-                        expected = self.hasher.chain_bytes(parent_hash, child.tokens, 0, n, child.extra)
+                        parent_hash = self.hasher.root(child.namespace) if node is self._root else node.hashes[-1]
+                        expected = self.hasher.chain_bytes(parent_hash, child.tokens, 0, n)
                         _require(expected == child.hashes, "stored hashes are not the chain of the stored tokens")
                     _require(child.lock_ref >= 0, "negative lock_ref")
                     for block in child.block_ids:
@@ -468,7 +490,7 @@ class RadixCache:
 
     # ------------------------------------------------------------- internals
 
-    def _walk(self, data: bytes, n_blocks: int, extra: bytes, count_hit: bool):
+    def _walk(self, data: bytes, n_blocks: int, namespace: bytes, count_hit: bool):
         """Follow `data` (int32 bytes of `n_blocks` full blocks) down the tree, comparing tokens.
 
         Returns (last node, matched blocks, their ids, chain hash of the last matched block). Only
@@ -477,15 +499,15 @@ class RadixCache:
         """
         self._clock += 1
         clock, bb, digest, root = self._clock, self._block_bytes, self.hasher.digest, self._root
-        node, parent_hash, pos = root, self.hasher.root_hash, 0
+        node, parent_hash, pos = root, self.hasher.root(namespace), 0
         block_ids: list[int] = []
         while pos < n_blocks:
             start = pos * bb
-            bucket = node.children.get(digest(parent_hash + data[start:start + bb] + extra))
+            bucket = node.children.get(digest(parent_hash + data[start:start + bb]))
             if bucket is None:
                 break
             for child in bucket:
-                if node is root and child.extra != extra:
+                if node is root and child.namespace != namespace:
                     continue
                 size = len(child.block_ids)
                 run = size if size <= n_blocks - pos else n_blocks - pos

@@ -1,8 +1,12 @@
-"""Chained block hashes: h_i = H(h_{i-1} || tokens_i || extra).
+"""Block identities: chained hashes h_0 = H(root), h_i = H(h_{i-1} || tokens_i), root = H(identity || namespace).
 
-`tokens_i` are the little-endian int32 bytes of block i, `extra` whatever must keep otherwise equal
-tokens apart (a tenant's cache salt, a model or adapter id). The parent hash and the block have fixed
-lengths, so the concatenation is unambiguous. One hash call per block, never a Python loop per token.
+`tokens_i` are the little-endian int32 bytes of block i. The *identity* names what computed the KV (the
+engine passes a model fingerprint: weights, tokenizer, block size, KV dtype, hash algorithm), the *namespace*
+what must keep otherwise equal tokens apart (a tenant, a cache salt, a blending setting). Both enter only the
+root, and every later hash is chained from it, so a block's hash names its whole prefix, its model and its
+namespace: the same prompt gets the same hashes in every process, after a restart and on every server, and
+the hashes can name the block in a store outside the process. Nothing here depends on a seed or on Python's
+`hash()`. One hash call per block, never a Python loop per token.
 """
 from __future__ import annotations
 
@@ -32,34 +36,32 @@ def check_block_size(block_size: int) -> int:
     return int(block_size)
 
 
-def _make_digest(algo: str, seed: int) -> Callable[[bytes], bytes]:
+def _make_digest(algo: str) -> Callable[[bytes], bytes]:
     if algo == "xxh3_128":
-        xxh3 = xxhash.xxh3_128_digest
-        if seed == 0:
-            return xxh3  # the default seed: no Python frame per call
-        return lambda data: xxh3(data, seed)
+        return xxhash.xxh3_128_digest
     if algo == "sha256":
-        seed_bytes = seed.to_bytes(8, "little")
         sha256 = hashlib.sha256
-        return lambda data: sha256(seed_bytes + data).digest()
+        return lambda data: sha256(data).digest()
     raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
 
 
 class BlockHasher:
-    """Hashes token blocks into a chain; the hash of block i depends on every token before it.
+    """Hashes token blocks into a chain; the hash of block i depends on every token before it, the identity
+    and the namespace.
 
     `algo` is "xxh3_128" (fast, the default) or "sha256" (for deployments that fear crafted
     collisions). `truncate_bits` keeps only the low bits of every hash: TEST-ONLY, to force collisions.
     """
 
-    def __init__(self, block_size: int = 16, algo: str = "xxh3_128", seed: int = 0, truncate_bits: int | None = None):
+    def __init__(self, block_size: int = 16, algo: str = "xxh3_128", identity: bytes = b"",
+                 truncate_bits: int | None = None):
         self.block_size = check_block_size(block_size)
         self.block_bytes = self.block_size * TOKEN_DTYPE.itemsize
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if not isinstance(identity, bytes):
+            raise TypeError(f"identity must be bytes, got {type(identity).__name__}")
         self.algo = algo
-        self.seed = seed
-        digest = _make_digest(algo, seed)
+        self.identity = identity
+        digest = _make_digest(algo)
         self.digest_size = len(digest(b""))
         if truncate_bits is not None:
             if not 1 <= truncate_bits <= 8 * self.digest_size:
@@ -68,27 +70,33 @@ class BlockHasher:
             full_digest = digest
             digest = lambda data: (int.from_bytes(full_digest(data), "little") & mask).to_bytes(size, "little")
         self.truncate_bits = truncate_bits
-        self.digest = digest  # bytes -> hash bytes; chain() feeds it parent || block || extra
-        self.root_hash = bytes(self.digest_size)  # the "parent" of a prompt's first block
+        self.digest = digest  # bytes -> hash bytes; chain() feeds it parent || block
+        # The identity is length-prefixed and the namespace comes last, so no two pairs give the same bytes.
+        self._root_prefix = b"kv-root" + len(identity).to_bytes(4, "little") + identity
 
-    def chain(self, parent: bytes, block: bytes, extra: bytes = b"") -> bytes:
+    def root(self, namespace: bytes = b"") -> bytes:
+        """The "parent" of a prompt's first block in `namespace`."""
+        return self.digest(self._root_prefix + namespace)
+
+    def chain(self, parent: bytes, block: bytes) -> bytes:
         """Hash of one block (its int32 bytes) given its parent's hash."""
-        return self.digest(parent + block + extra)
+        return self.digest(parent + block)
 
-    def chain_bytes(self, parent: bytes, data: bytes, start: int, stop: int, extra: bytes = b"") -> list[bytes]:
+    def chain_bytes(self, parent: bytes, data: bytes, start: int, stop: int) -> list[bytes]:
         """Hashes of blocks `start..stop-1` of `data` (int32 token bytes), chained from `parent`."""
         digest, bb = self.digest, self.block_bytes
         out: list[bytes] = []
         append = out.append
         h = parent
         for offset in range(start * bb, stop * bb, bb):
-            h = digest(h + data[offset:offset + bb] + extra)
+            h = digest(h + data[offset:offset + bb])
             append(h)
         return out
 
-    def hash_blocks(self, tokens: TokenInput, extra: bytes = b"", parent: bytes | None = None) -> list[bytes]:
-        """Chained hashes of every full block of `tokens` (a partial last block gets none)."""
+    def hash_blocks(self, tokens: TokenInput, namespace: bytes = b"", parent: bytes | None = None) -> list[bytes]:
+        """Chained hashes of every full block of `tokens` in `namespace`, or continuing the chain of `parent`
+        (a partial last block gets none)."""
         arr = as_token_array(tokens)
         n_full = len(arr) // self.block_size
         data = arr[: n_full * self.block_size].tobytes()
-        return self.chain_bytes(self.root_hash if parent is None else parent, data, 0, n_full, bytes(extra))
+        return self.chain_bytes(self.root(bytes(namespace)) if parent is None else parent, data, 0, n_full)

@@ -17,18 +17,18 @@ class TreeNode:
     """
 
     __slots__ = (
-        "parent", "children", "by_first_token", "tokens", "block_ids", "hashes", "extra",
+        "parent", "children", "by_first_token", "tokens", "block_ids", "hashes", "namespace",
         "lock_ref", "last_access", "hit_count", "heap_version",
     )
 
-    def __init__(self, parent: "TreeNode | None", tokens: bytes, block_ids: list[int], hashes: list[bytes], extra: bytes):
+    def __init__(self, parent: "TreeNode | None", tokens: bytes, block_ids: list[int], hashes: list[bytes], namespace: bytes):
         self.parent = parent
         self.children: dict[bytes, list[TreeNode]] = {}
         self.by_first_token: dict[bytes, list[TreeNode]] = {}
         self.tokens = tokens
         self.block_ids = block_ids
         self.hashes = hashes
-        self.extra = extra
+        self.namespace = namespace
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -79,7 +79,7 @@ class TreeNode:
         """
         assert 0 < num_blocks < self.num_blocks
         cut = num_blocks * block_bytes
-        top = TreeNode(self.parent, self.tokens[:cut], self.block_ids[:num_blocks], self.hashes[:num_blocks], self.extra)
+        top = TreeNode(self.parent, self.tokens[:cut], self.block_ids[:num_blocks], self.hashes[:num_blocks], self.namespace)
         top.lock_ref, top.last_access, top.hit_count = self.lock_ref, self.last_access, self.hit_count
         self.parent.replace_child(self, top)
         self.tokens = self.tokens[cut:]

@@ -14,12 +14,25 @@ def blocks(*values):
     return [v for v in values for _ in range(BS)]
 
 
-def cache_prompt(cache, tokens, extra=b""):
+class Removals:
+    """A cache listener that keeps the ids of removed blocks."""
+
+    def __init__(self):
+        self.ids = []
+
+    def stored(self, records):
+        pass
+
+    def removed(self, records):
+        self.ids.extend(r.block_id for r in records)
+
+
+def cache_prompt(cache, tokens, namespace=b""):
     """What an engine does for one request: match, lock, allocate the rest, insert, keep it locked."""
-    m = cache.match(tokens, extra)
+    m = cache.match(tokens, namespace)
     cache.lock(m.node)
     new = cache.allocate(len(tokens) // cache.block_size - len(m.block_ids))
-    r = cache.insert(tokens, m.block_ids + new, extra)
+    r = cache.insert(tokens, m.block_ids + new, namespace)
     assert r.duplicate_block_ids == [] and r.inserted_block_ids == new
     cache.lock(r.node)
     cache.unlock(m.node)
@@ -102,8 +115,9 @@ def test_accounting_states_add_up_and_locks_move_blocks_between_evictable_and_in
 
 
 def test_allocate_takes_free_blocks_first_then_evicts_and_never_evicts_locked_blocks():
-    evicted = []
-    cache = RadixCache(6, block_size=BS, on_evict=evicted.extend)
+    listener = Removals()
+    evicted = listener.ids
+    cache = RadixCache(6, block_size=BS, listener=listener)
     locked_node, locked_ids = cache_prompt(cache, blocks(1, 2))
     node, other_ids = cache_prompt(cache, blocks(3, 4))
     cache.unlock(node)
@@ -212,19 +226,20 @@ def test_forced_hash_collisions_never_return_wrong_blocks(algo):
 def test_salts_isolate_equal_tokens(hash_bits):
     cache = RadixCache(16, block_size=BS, hash_bits=hash_bits)
     prompt = blocks(1, 2, 3)
-    _, ids_a = cache_prompt(cache, prompt, extra=b"tenant-a")
-    _, ids_b = cache_prompt(cache, prompt, extra=b"tenant-b")  # no duplicates (asserted inside)
+    _, ids_a = cache_prompt(cache, prompt, namespace=b"tenant-a")
+    _, ids_b = cache_prompt(cache, prompt, namespace=b"tenant-b")  # no duplicates (asserted inside)
     assert not set(ids_a) & set(ids_b)
-    assert cache.match(prompt, extra=b"tenant-a").block_ids == ids_a
-    assert cache.match(prompt, extra=b"tenant-b").block_ids == ids_b
+    assert cache.match(prompt, namespace=b"tenant-a").block_ids == ids_a
+    assert cache.match(prompt, namespace=b"tenant-b").block_ids == ids_b
     assert cache.match(prompt).block_ids == []
-    assert cache.match(prompt, extra=b"tenant-c").block_ids == []
+    assert cache.match(prompt, namespace=b"tenant-c").block_ids == []
     cache.check_invariants()
 
 
 def test_reset_prefix_cache_empties_an_unlocked_tree():
-    evicted = []
-    cache = RadixCache(8, block_size=BS, on_evict=evicted.extend)
+    listener = Removals()
+    evicted = listener.ids
+    cache = RadixCache(8, block_size=BS, listener=listener)
     node, ids = cache_prompt(cache, blocks(1, 2))
     assert cache.reset_prefix_cache() is False  # a running request holds it
     cache.unlock(node)
@@ -240,8 +255,8 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="num_blocks"):
         RadixCache(-1)
     cache = RadixCache(8, block_size=BS)
-    with pytest.raises(TypeError, match="extra must be bytes"):
-        cache.match(blocks(1), extra="salt")
+    with pytest.raises(TypeError, match="namespace must be bytes"):
+        cache.match(blocks(1), namespace="salt")
     with pytest.raises(ValueError, match="same block id twice"):
         cache.free([0, 0])
 
@@ -269,7 +284,7 @@ def test_a_tail_or_a_child_block_serves_the_tokens_a_prompt_shares_with_it():
     p = cache.match_partial(m.node, (blocks(1) + [2, 2, 9])[m.num_tokens:])
     assert (p.block_id, p.num_tokens) == (ids[1], 2)
     assert cache.match_partial(m.node, [3]) is None
-    # At the root, only blocks cached under the same extra (salt) count.
+    # At the root, only blocks cached under the same namespace (salt) count.
     assert cache.match_partial(cache.root, [1, 1])[2] == 2
     assert cache.match_partial(cache.root, [1, 1], b"tenant-b") is None
 

@@ -31,14 +31,28 @@ def test_same_tokens_hash_the_same_for_lists_and_any_int_array():
     assert hasher.hash_blocks(tokens.astype(np.uint32)[::-1][::-1]) == expected
 
 
-def test_extra_seed_and_algorithm_separate_hashes():
+def test_namespace_identity_and_algorithm_separate_hashes():
     tokens = list(range(32))
     base = BlockHasher(16).hash_blocks(tokens)
-    assert BlockHasher(16).hash_blocks(tokens, extra=b"tenant-a") != base
-    assert BlockHasher(16, seed=1).hash_blocks(tokens) != base
+    assert BlockHasher(16).hash_blocks(tokens, namespace=b"tenant-a") != base
+    assert BlockHasher(16, identity=b"another model").hash_blocks(tokens) != base
     sha = BlockHasher(16, algo="sha256").hash_blocks(tokens)
     assert len(sha[0]) == 32 and len(base[0]) == 16
-    assert BlockHasher(16, algo="sha256", seed=7).hash_blocks(tokens) != sha
+    assert BlockHasher(16, algo="sha256", identity=b"m").hash_blocks(tokens) != sha
+    # identity and namespace cannot trade bytes: ("ab", "") and ("a", "b") are different roots
+    assert BlockHasher(16, identity=b"ab").root(b"") != BlockHasher(16, identity=b"a").root(b"b")
+
+
+def test_hashes_are_the_same_in_every_process():
+    """A block's hash is its name outside the process (tiers, other servers): it must not depend on the
+    process (Python's hash() is salted per process), only on the identity, namespace and tokens."""
+    import subprocess
+    import sys
+    code = ("from radix import BlockHasher; "
+            "print(BlockHasher(4, identity=b'fp').hash_blocks(list(range(12)), namespace=b'ns')[-1].hex())")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2)}
+    assert runs == {BlockHasher(4, identity=b"fp").hash_blocks(list(range(12)), namespace=b"ns")[-1].hex() + "\n"}
 
 
 def test_truncated_hashes_keep_only_the_low_bits():
