@@ -53,7 +53,7 @@ def _keys(model, ids: list[int], dtype: torch.dtype, device) -> list[torch.Tenso
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata([0, n], [torch.arange(blocks, device=device)], [n], positions)
     model(torch.tensor(ids, device=device), positions, meta, kv)
-    return [kv.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)[:n].float() for layer in range(cfg.num_layers)]
+    return [k.float() for k in kv.read_keys(positions)]  # the table is blocks 0, 1, ...: slot == position
 
 
 @torch.inference_mode()

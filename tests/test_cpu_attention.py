@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pools import fill_pool
 from reuse_server.kv_pool import KVPool
 from reuse_server.model import cpu_attention, native
 from reuse_server.model.cpu_attention import KernelPlan
@@ -31,8 +32,8 @@ def reference(q, pool: KVPool, layer, seqs, scale, window):
     for table, ctx, positions in seqs:
         n = len(positions)
         slots = (table[:, None] * pool.block_size + torch.arange(pool.block_size)).flatten()[:ctx]
-        k = pool.k[layer].view(-1, kv_heads, pool.head_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
-        v = pool.v[layer].view(-1, kv_heads, pool.head_dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        k, v = pool.read(layer, slots)
+        k, v = k.double().repeat_interleave(heads // kv_heads, 1), v.double().repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("thd,khd->htk", q[start:start + n].double(), k) * scale
         pos = torch.tensor(positions)[:, None]
         keys = torch.arange(ctx)[None, :]
@@ -49,9 +50,7 @@ def run_case(kernel, seqs, heads, kv_heads, head_dim, block_size, window=None, s
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = sum(-(-ctx // block_size) for _, ctx, _ in seqs)
     pool = KVPool(2, blocks_needed + 7, block_size, kv_heads, head_dim)
-    for layer in range(2):
-        pool.k[layer].normal_(generator=gen)
-        pool.v[layer].normal_(generator=gen)
+    fill_pool(pool, gen)
     free = torch.randperm(pool.num_blocks, generator=gen)
     tables, used = [], 0
     for _, ctx, _ in seqs:
@@ -115,8 +114,7 @@ def test_many_sequences_in_one_call(kernel):
 def test_reads_queries_through_a_strided_view(kernel):
     """The model hands over q as a view of its fused q/k projection (a wider token stride)."""
     pool = KVPool(1, 8, 4, 2, 16)
-    pool.k[0].normal_()
-    pool.v[0].normal_()
+    fill_pool(pool)
     qk = torch.randn(6, 4 + 2, 16)
     plan = KernelPlan([0, 6], [torch.tensor([5, 1])], [6], torch.arange(6), 4, pool.num_blocks)
     strided = kernel(qk[:, :4], plan, pool, 0, 0.25, None)

@@ -223,8 +223,8 @@ def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: i
     kv_heads, prefix, ctx = kv.num_kv_heads, blocks * kv.block_size, meta.context_lens[s]
     group = heads // kv_heads
     folded = _fold_heads(q, kv_heads)
-    k_run = kv.k[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
-    v_run = kv.v[layer][first:first + blocks].view(prefix, kv_heads, hd).transpose(0, 1).unsqueeze(0)
+    k_run, v_run = kv.run(layer, first, blocks)
+    k_run, v_run = k_run.transpose(0, 1).unsqueeze(0), v_run.transpose(0, 1).unsqueeze(0)
     k_rest, v_rest = kv.gather(layer, meta.block_tables[s][blocks:], ctx - prefix)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o_run, lse_run = flash(folded, k_run, v_run, scale=scale)[:2]
@@ -275,8 +275,8 @@ def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, 
         meta._decode_plan = (table.flatten(), mask[:, None, None, :], longest)
     flat_table, mask, longest = meta._decode_plan
     # index_select over whole blocks: far cheaper than advanced indexing with a 2-D table
-    k = kv.k[layer_idx].index_select(0, flat_table).view(s, -1, kv_heads, hd)[:, :longest]
-    v = kv.v[layer_idx].index_select(0, flat_table).view(s, -1, kv_heads, hd)[:, :longest]
+    k, v = kv.gather_blocks(layer_idx, flat_table)
+    k, v = k.view(s, -1, kv_heads, hd)[:, :longest], v.view(s, -1, kv_heads, hd)[:, :longest]
     # The query heads sharing a KV head become that head's query rows (GQA without repeating K/V).
     out = F.scaled_dot_product_attention(
         q.view(s, kv_heads, heads // kv_heads, hd), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2),

@@ -40,7 +40,7 @@ class CpuAttentionKernel:
         head_dim]; every token's own K/V must already be in the pool."""
         t, heads, hd = q.shape
         out = torch.empty((t, heads, hd), dtype=q.dtype)
-        k, v = kv.k[layer], kv.v[layer]
+        k, v = kv.layer_blocks(layer)
         status = self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(),
                           plan.num_sequences, plan.seq_info.data_ptr(), plan.block_tables.data_ptr(),
                           plan.positions.data_ptr(), heads, kv.num_kv_heads, hd, kv.block_size,
