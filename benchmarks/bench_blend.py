@@ -27,6 +27,7 @@ import torch
 from blend.chunking import encode, render_chat_chunks
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampler import Sampler
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 
@@ -143,7 +144,7 @@ def main() -> None:
     if not DOCS.exists():
         raise SystemExit(f"needs {DOCS} (the shared data folder beside the repository)")
     torch.manual_seed(0)
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         max_num_batched_tokens=8192, kv_cache_memory=2 << 30, enable_blend=False,
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.model.loader import resolve_model
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 
@@ -119,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     path = resolve_model(None)
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=8192, max_num_seqs=16, kv_cache_memory=1 << 30))
+    engine = build_engine(EngineConfig(max_num_batched_tokens=8192, max_num_seqs=16, kv_cache_memory=1 << 30))
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
     ours_prefill(engine, 64, 1), hf_prefill(hf, 64, 1)  # warm-up: first calls pay one-time kernel set-up
     for n in [int(x) for x in args.prefill_lens.split(",")]:

@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.outputs import RequestOutput
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 
@@ -51,7 +52,7 @@ class AsyncEngine:
 
         def own_the_engine() -> None:
             try:
-                async_engine = cls(LLMEngine(config))
+                async_engine = cls(build_engine(config))
             except BaseException as exc:  # reported to the caller; the thread ends
                 built.set_exception(exc)
                 return

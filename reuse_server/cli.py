@@ -176,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hash that names KV blocks by their token prefix")
     serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
                        help="which cached blocks to drop first when the pool is full")
-    serve.add_argument("--seed", type=int, default=defaults.seed, help="seed for hashing and sampling")
     blend = serve.add_argument_group(
         "blending", "Non-prefix KV reuse (CacheBlend): chunks of a prompt (chat messages and text parts, "
         "--blend-separator pieces, POST /v1/cache/chunks documents) reuse cached KV wherever they appear; "
@@ -229,7 +228,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         dedup_prefill=not args.no_prefill_dedup,
-        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, seed=args.seed,
+        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,

@@ -1,7 +1,24 @@
-"""Engine settings, one place; the CLI fills it from flags."""
+"""Engine settings, one place; the CLI fills it from flags and `validate` checks them once, before anything
+is loaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+CPU_MATMULS = ("native", "onednn", "torch")
+CPU_ATTENTIONS = ("native", "torch")
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """'auto' is fp32 on the CPU and bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 @dataclass
@@ -24,7 +41,6 @@ class EngineConfig:
     dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
     hash_algo: str = "xxh3_128"
     eviction_policy: str = "lru"
-    seed: int = 0
     # non-prefix reuse (blending)
     enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
     blend_recompute_ratio: float = 0.15
@@ -36,3 +52,40 @@ class EngineConfig:
     blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string
+
+    def validate(self) -> None:
+        """Raise ValueError naming every setting that cannot work (the model-dependent checks, such as the
+        check layers against the model's depth, happen once the model's config is read)."""
+        from radix import HASH_ALGOS, POLICIES, check_block_size  # the cache index owns its rules
+
+        problems = []
+        try:
+            resolve_dtype(self.dtype, self.device)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.cpu_matmul not in CPU_MATMULS:
+            problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
+        if self.cpu_attention not in CPU_ATTENTIONS:
+            problems.append(f"unknown cpu_attention {self.cpu_attention!r}; choose {', '.join(CPU_ATTENTIONS)}")
+        try:
+            check_block_size(self.block_size)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.hash_algo not in HASH_ALGOS:
+            problems.append(f"unknown hash {self.hash_algo!r}; choose {', '.join(HASH_ALGOS)}")
+        if self.eviction_policy not in POLICIES:
+            problems.append(f"unknown eviction policy {self.eviction_policy!r}; choose {', '.join(POLICIES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            problems.append(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            problems.append(f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}")
+        if len(self.blend_gradual_factors) != len(self.blend_check_layers):
+            problems.append(f"blend_gradual_factors has {len(self.blend_gradual_factors)} values but "
+                            f"blend_check_layers has {len(self.blend_check_layers)} layers")
+        if self.blend_score not in ("k", "v", "kv"):
+            problems.append(f"unknown blend_score {self.blend_score!r}; choose k, v or kv")
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -11,7 +11,7 @@ from reuse_server.config import EngineConfig
 REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--cpu-matmul", "--cpu-attention",
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-         "--no-prefix-cache", "--hash", "--eviction-policy", "--seed", "--log-level", "--blend", "--no-blend",
+         "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
          "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator"]
 
@@ -41,13 +41,13 @@ def test_flags_reach_engine_config():
         "--cpu-matmul", "torch", "--cpu-attention", "torch", "--block-size", "32", "--num-gpu-blocks", "100", "--kv-cache-memory", "512MiB",
         "--max-num-seqs", "3",
         "--max-num-batched-tokens", "64", "--max-model-len", "128", "--no-prefix-cache", "--hash", "sha256",
-        "--eviction-policy", "lfu", "--seed", "9"])
+        "--eviction-policy", "lfu"])
     assert engine_config(args) == EngineConfig(
         model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", cpu_matmul="torch", cpu_attention="torch",
         block_size=32,
         num_gpu_blocks=100,
         kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,
-        enable_prefix_cache=False, hash_algo="sha256", eviction_policy="lfu", seed=9)
+        enable_prefix_cache=False, hash_algo="sha256", eviction_policy="lfu")
 
 
 def test_blend_flags_reach_engine_config():

@@ -99,13 +99,13 @@ def test_pack_for_cpu_skips_fp16(tiny_llama_path):
 
 def test_engine_cpu_matmul_setting_chooses_the_path_and_both_agree(tiny_llama_path):
     from reuse_server.config import EngineConfig
-    from reuse_server.engine import LLMEngine
+    from reuse_server.engine_builder import build_engine
     from reuse_server.sampling_params import SamplingParams
 
     outputs = {}
     expected = {"native": NativeLinear, "onednn": PackedLinear, "torch": torch.nn.Linear}
     for setting, cls in expected.items():
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), num_gpu_blocks=64, cpu_matmul=setting))
+        engine = build_engine(EngineConfig(model=str(tiny_llama_path), num_gpu_blocks=64, cpu_matmul=setting))
         linears = [m for m in engine.model.modules() if isinstance(m, tuple(expected.values()))]
         assert linears and all(isinstance(m, cls) for m in linears)
         engine.add_request("r", list(range(3, 40)), SamplingParams(max_tokens=8, temperature=0.0, logprobs=1))

@@ -36,11 +36,11 @@ def test_without_a_compiler_the_engine_falls_back(tmp_path, tiny_llama_path):
     result = run_python(f"""
         import torch
         from reuse_server.config import EngineConfig
-        from reuse_server.engine import LLMEngine
+        from reuse_server.engine_builder import build_engine
         from reuse_server.model import native
         from reuse_server.model.cpu_linear import NativeLinear, PackedLinear
         from reuse_server.sampling_params import SamplingParams
-        engine = LLMEngine(EngineConfig(model={str(tiny_llama_path)!r}, num_gpu_blocks=32))
+        engine = build_engine(EngineConfig(model={str(tiny_llama_path)!r}, num_gpu_blocks=32))
         assert native.load() is None and "no C++ compiler" in native.failure(), native.failure()
         assert engine.attention_kernel is False
         assert not any(isinstance(m, NativeLinear) for m in engine.model.modules())

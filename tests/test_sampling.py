@@ -6,7 +6,7 @@ import torch
 
 from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
-from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampler import Sampler, adjust_logits
 from reuse_server.sampling_params import InvalidRequest, SamplingParams
 from tiny_checkpoint import build_tokenizer, write_tiny_checkpoint
@@ -97,7 +97,7 @@ def test_detokenizer_streams_exactly_the_full_decode():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=4)
-    return LLMEngine(EngineConfig(model=str(path), block_size=4, num_gpu_blocks=128))
+    return build_engine(EngineConfig(model=str(path), block_size=4, num_gpu_blocks=128))
 
 
 def generate(engine, rid, prompt, params):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from reuse_server.config import EngineConfig
-from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampling_params import SamplingParams
 from reuse_server.scheduler import MAX_SKIPS
 from tiny_checkpoint import write_tiny_checkpoint
@@ -21,7 +21,7 @@ def finish_all(engine):
 
 
 def test_longest_cached_prefix_is_admitted_first(checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=128, max_num_seqs=1,
+    engine = build_engine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=128, max_num_seqs=1,
                                     max_num_batched_tokens=256))
     shared = list(range(3, 35))
     engine.add_request("warm", shared + [40], SamplingParams(max_tokens=1))
@@ -36,7 +36,7 @@ def test_longest_cached_prefix_is_admitted_first(checkpoint):
 
 
 def test_passed_over_requests_are_not_starved(checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=128, max_num_seqs=1,
+    engine = build_engine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=128, max_num_seqs=1,
                                     max_num_batched_tokens=256))
     shared = list(range(3, 35))
     engine.add_request("warm", shared + [40], SamplingParams(max_tokens=1))

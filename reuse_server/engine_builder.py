@@ -1,0 +1,123 @@
+"""Building an engine: validate the config once, load the model, and make and wire the parts. The engine
+receives the finished parts (EngineParts) and only runs them.
+
+Order matters in three places: the fingerprint digests the weights as loaded, before they are packed for the
+CPU kernels (packing drops the dense copies); the pool is sized from the model's shapes; the key shift is
+calibrated (once per model, then read from disk) through the model's own forward."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from blend.chunk_index import ChunkIndex
+from radix import RadixCache
+
+from reuse_server.block_manager import BlockManager
+from reuse_server.blending import Blender, BlendSettings
+from reuse_server.config import EngineConfig, resolve_dtype
+from reuse_server.fingerprint import ModelFingerprint, fingerprint
+from reuse_server.key_shift_calibration import load_or_calibrate
+from reuse_server.kv_pool import KVPool
+from reuse_server.model.config import ModelConfig
+from reuse_server.model.loader import BUNDLED_NAMES, load_model, load_tokenizer, resolve_model
+from reuse_server.runner import ModelRunner
+from reuse_server.sampler import Sampler
+from reuse_server.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object
+    model_id: str  # the served name
+    fingerprint: ModelFingerprint
+    attention_kernel: bool  # the CPU attention kernel serves this model
+    max_model_len: int
+    kv: KVPool
+    cache: RadixCache
+    blocks: BlockManager
+    chunk_index: ChunkIndex
+    blender: Blender
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+
+
+def build_engine(config: EngineConfig):
+    """A ready LLMEngine for `config` (ValueError for bad settings, ModelLoadError for a bad model)."""
+    from reuse_server.engine import LLMEngine
+
+    return LLMEngine(build_parts(config))
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    config.validate()
+    path = resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype, config.device)
+    model, mc = load_model(path, dtype=dtype, device=config.device)
+    tokenizer = load_tokenizer(path)
+    bs = config.block_size
+    kv_dtype = dtype
+    identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo)
+    model.pack_for_cpu(config.cpu_matmul)
+    # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
+    on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
+    attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel()
+
+    if config.num_gpu_blocks:
+        num_blocks = config.num_gpu_blocks
+    else:
+        num_blocks = config.kv_cache_memory // KVPool.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads,
+                                                                       mc.head_dim, kv_dtype)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
+    kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device)
+    cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
+                       policy=config.eviction_policy)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks)
+    chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
+    settings = BlendSettings(
+        recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
+        gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
+        first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
+        query_weight=config.blend_query_weight)
+    key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
+    blender = Blender(kv, blocks, chunk_index, settings, mc.num_layers, model.rotary.inv_freq, mc.head_dim ** -0.5,
+                      key_shift)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, blender, config.enable_blend,
+                          config.dedup_prefill)
+    parts = EngineParts(
+        config=config, model=model, model_config=mc, tokenizer=tokenizer,
+        model_id=config.served_model_name or default_model_id(config.model), fingerprint=identity,
+        attention_kernel=attention_kernel,
+        max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
+        kv=kv, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
+        runner=ModelRunner(model, kv, config.device), sampler=Sampler())
+    log.info("model fingerprint %s; KV pool %d blocks of %d tokens (%.0f MiB)", identity.short, num_blocks, bs,
+             kv.nbytes / 2**20)
+    _return_freed_memory()
+    return parts
+
+
+def default_model_id(model: str | None) -> str:
+    if model is None or model.lower() in BUNDLED_NAMES:
+        return "SmolLM2-135M-Instruct"
+    name = Path(model.rstrip("/")).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _return_freed_memory() -> None:
+    """Give the heap memory that loading freed (dense weights copied into packed layouts, conversion and
+    calibration temporaries) back to the system: glibc keeps freed chunks below its mmap threshold mapped,
+    where they would count as resident memory after start."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
