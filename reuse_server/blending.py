@@ -1,34 +1,34 @@
-"""Non-prefix reuse inside the engine: fill a prompt's KV from the chunk index, then recompute only the
-tokens whose reused KV deviates most (CacheBlend), through the same model layers as every other forward.
-
-A blended prefill runs in three parts:
-1. plan: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the
-   chunk index and lock what is found (so allocating the prompt's blocks cannot evict it);
-2. copy in: copy those tokens' KV into the sequence's blocks and re-RoPE the keys from positions
-   0..n-1 to where the chunk now sits; then drop the locks;
-   Chunks cached alone that other text now precedes also get the model's key shift (blend/key_shift.py):
-   the systematic difference between a chunk's keys alone and after other text;
-3. forward, layer by layer: every token not reused is always computed; reused tokens are computed up
-   to the first check layer, where the deviation between their stale and fresh KV picks the ones to
-   keep computing (gradually fewer at later check layers); the rest keep their reused KV from there on.
-After a request's prompt is computed, its reusable chunks that the index lacks are registered: their KV
-is copied to fresh blocks at positions 0..n-1 and filed in the chunk namespace of the radix cache.
+"""Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
+only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
+- admit: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the chunk
+  index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
+  (re-RoPE from positions 0..n-1 to where the chunk now sits; chunks cached alone that other text now
+  precedes also get the model's key shift, blend/key_shift.py) and open a BlendJob;
+- run: the prompt is prefilled in chunks like any other, batched with other work in the runner's one
+  forward; for each chunk the Blender gives a ChunkSelection, which only chooses rows: every token not
+  reused is always computed; reused tokens are computed up to the first check layer, where the deviation
+  between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
+  the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
+  reused KV comes first (QuestionProbe);
+- finish: the job's counts go to the request's usage, and the prompt's reusable chunks that the index
+  lacks are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
+  namespace of the radix cache.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from blend import GradualSchedule, first_tokens_mask, kv_deviation, rerope_layers_
+from blend import GradualSchedule, first_tokens_mask, kv_deviation
 from blend.chunk_index import ChunkHit, ChunkIndex
 from blend.key_shift import KeyShift
-from blend.selection import combine_scores, count_for_ratio, query_attention, select_top_k
-from radix import OutOfBlocks
+from blend.selection import combine_scores, query_attention, select_top_k
 
-from reuse_server.block_manager import approximate_namespace
+from reuse_server.block_manager import BlockManager, approximate_namespace
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
+from reuse_server.model.llama import RowSelection
 from reuse_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -62,187 +62,156 @@ class Reuse:
 
 
 @dataclass
-class BlendPlan:
-    reuses: list[Reuse]
+class BlendJob:
+    """One blended prefill: which prompt tokens came from the chunk index, and what selection made of them."""
+
+    reused: torch.Tensor  # bool [prompt tokens]: KV copied in from the chunk index
+    chunk_starts: set[int]  # prompt positions of the chunks reused (they are not registered again)
     ratio: float
-    locked: bool = True  # the chunk nodes are locked until their KV is copied in
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        """(prompt position, tokens) of each reused piece."""
-        return [(r.start + r.skip, r.hit.num_tokens - r.skip) for r in self.reuses]
-
-    @property
-    def chunk_starts(self) -> set[int]:
-        return {r.start for r in self.reuses}
+    always: torch.Tensor | None  # bool [prompt tokens]: always recomputed (first tokens of each chunk)
+    probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays (query weighting)
+    probed: bool = False
+    blended: int = 0  # reused tokens selection left alone
+    recomputed: int = 0  # reused tokens selection recomputed
 
 
 class Blender:
-    def __init__(self, model, kv: KVPool, index: ChunkIndex, settings: BlendSettings, block_size: int,
+    def __init__(self, kv: KVPool, blocks: BlockManager, index: ChunkIndex, settings: BlendSettings,
+                 num_layers: int, inv_freq: torch.Tensor, attention_scale: float,
                  key_shift: KeyShift | None = None) -> None:
-        self.model = model
-        self.key_shift = key_shift
         self.kv = kv
+        self.blocks = blocks
         self.index = index
         self.settings = settings
-        self.block_size = block_size
-        settings.schedule(settings.recompute_ratio).validate_for(len(model.layers))
+        self.num_layers = num_layers
+        self.inv_freq = inv_freq
+        self.attention_scale = attention_scale
+        self.key_shift = key_shift
+        self.block_size = kv.block_size
+        settings.schedule(settings.recompute_ratio).validate_for(num_layers)
+        self.jobs: dict[str, BlendJob] = {}
         self.registered_chunks = 0
 
     def _spans_ending_after(self, seq: Sequence, pos: int) -> list[tuple[int, int]]:
         return [(s, n) for s, n in seq.cache.chunk_spans if s + n > pos and n >= self.index.min_tokens]
 
-    # 1. plan ------------------------------------------------------------------------------
-    def plan(self, seq: Sequence) -> BlendPlan | None:
-        """Chunks of seq after its prefix hit that the index holds, their nodes locked; None if none."""
-        if seq.output_ids:  # a preempted request recomputes exactly
-            return None
-        salt = seq.extra_key
-        reuses = []
-        for start, n in self._spans_ending_after(seq, seq.num_computed):
-            hit = self.index.lookup(seq.prompt_ids[start:start + n], salt)
-            skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
-            if hit is not None and hit.num_tokens > skip:
-                self.index.cache.lock(hit.match.node)
-                reuses.append(Reuse(start, hit, skip))
-        if not reuses:
-            return None
-        return BlendPlan(reuses, self.ratio_for(seq))
-
     def ratio_for(self, seq: Sequence) -> float:
         ratio = seq.cache.recompute_ratio
         return self.settings.recompute_ratio if ratio is None else ratio
 
-    def approximate_key(self, seq: Sequence) -> bytes:
+    def approximate_namespace(self, seq: Sequence) -> bytes:
         """The namespace seq's blended KV is filed under: everything that decides what KV blending produces."""
         s = self.settings
-        return approximate_namespace(f"r={self.ratio_for(seq):.6g};score={s.score};check={s.check_layers};"
-                                     f"factors={s.gradual_factors};first={s.first_tokens};query={s.query_weight:g};"
-                                    f"shift={self.key_shift is not None}")
+        return approximate_namespace(seq.namespace, f"r={self.ratio_for(seq):.6g};score={s.score};"
+                                     f"check={s.check_layers};factors={s.gradual_factors};first={s.first_tokens};"
+                                     f"query={s.query_weight:g};shift={self.key_shift is not None}")
 
-    def release(self, plan: BlendPlan) -> None:
-        if plan.locked:
-            for r in plan.reuses:
-                self.index.cache.unlock(r.hit.match.node)
-            plan.locked = False
+    # ---- admit -----------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> bool:
+        """Called right after the block manager admitted seq (its exact prefix matched): look its chunks up
+        in the chunk index and, if any is cached, take blocks for the whole prompt, copy the cached KV in and
+        open a job. False when those blocks are not available (no job; the caller releases seq)."""
+        if seq.output_ids:  # a preempted request recomputes exactly
+            return True
+        reuses = self._lookup(seq)
+        if not reuses:
+            return True
+        try:
+            if not self.blocks.ensure_capacity(seq, seq.num_tokens):
+                return False
+            self._copy_in(seq, reuses)
+        finally:
+            for r in reuses:
+                self.index.release(r.hit)
+        n = seq.num_tokens
+        reused = torch.zeros(n, dtype=torch.bool)
+        for r in reuses:
+            reused[r.start + r.skip:r.start + r.hit.num_tokens] = True
+        reused[:seq.num_computed] = False  # served by the exact prefix: not computed at all
+        always = None
+        if self.settings.first_tokens:
+            always = first_tokens_mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
+                                       self.settings.first_tokens, total=n)
+        self.jobs[seq.request_id] = BlendJob(reused, {r.start for r in reuses}, self.ratio_for(seq), always)
+        return True
 
-    # 2. copy in ---------------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> list[Reuse]:
+        """Chunks of seq after its prefix hit that the index holds, held until released."""
+        reuses = []
+        for start, n in self._spans_ending_after(seq, seq.num_computed):
+            hit = self.index.lookup(seq.prompt_ids[start:start + n], seq.namespace)
+            skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
+            if hit is not None and hit.num_tokens > skip:
+                self.index.hold(hit)
+                reuses.append(Reuse(start, hit, skip))
+        return reuses
+
     def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
         bs = self.block_size
-        return torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
-                            device=self.kv.k[0].device)
-
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor) -> None:
-        for layer in range(self.kv.num_layers):
-            k, v = self.kv.read_slots(layer, src)
-            self.kv.write(layer, dst, k, v)
-        rerope_layers_(self.kv.k, dst, old_pos, new_pos, self.model.rotary.inv_freq)
+        return torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
 
     @staticmethod
     def _is_first_chunk(seq: Sequence, start: int) -> bool:
         """Only the prompt's framing comes before the chunk at `start`: its KV there is its alone form."""
         return bool(seq.cache.chunk_spans) and seq.cache.chunk_spans[0][0] == start
 
-    def copy_in(self, seq: Sequence, plan: BlendPlan) -> None:
-        for r in plan.reuses:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor) -> None:
+        self.kv.copy_slots(src, dst)
+        self.kv.rerope(dst, old_pos, new_pos, self.inv_freq)
+
+    def _copy_in(self, seq: Sequence, reuses: list[Reuse]) -> None:
+        for r in reuses:
             n = r.hit.num_tokens
             src = self._slots(r.hit.block_ids, range(r.skip, n))
             dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
-            pos = torch.arange(r.skip, n, device=dst.device)
-            self._copy(src, dst, pos, pos + r.start)
+            pos = torch.arange(r.skip, n)
+            self._move(src, dst, pos, pos + r.start)
             # a chunk cached alone needs the shift only where other text now precedes it
             if self.key_shift is not None and r.hit.alone and not self._is_first_chunk(seq, r.start):
-                self.key_shift.apply_(self.kv.k, dst, pos + r.start, self.model.rotary.inv_freq)
+                self.kv.shift_keys(self.key_shift, dst, pos + r.start, self.inv_freq)
 
-    # 3. forward ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, plan: BlendPlan) -> torch.Tensor:
-        """Compute seq's prompt from seq.num_computed on, reusing plan's chunks. Returns the last token's logits."""
-        self.copy_in(seq, plan)
-        self.release(plan)
-        start, end = seq.num_computed, seq.num_tokens
-        device = self.kv.k[0].device
-        n = end - start
-        reused = torch.zeros(n, dtype=torch.bool)
-        for s, cnt in plan.spans:
-            reused[s - start:s - start + cnt] = True
-        reused[-1] = False  # the last token gives the logits
-        always = None
-        if self.settings.first_tokens:
-            always = first_tokens_mask([s - start for s, _ in plan.spans], [c for _, c in plan.spans],
-                                       self.settings.first_tokens, total=n)
-        n_reused = int(reused.sum())
-        schedule = self.settings.schedule(plan.ratio)
+    # ---- run -------------------------------------------------------------------------------
+    def blending(self, seq: Sequence) -> bool:
+        return seq.request_id in self.jobs
 
-        ids = torch.tensor(seq.token_ids[start:end], dtype=torch.long, device=device)
-        positions = torch.arange(start, end, dtype=torch.long, device=device)
-        slots = self._slots(seq.block_table, range(start, end))
-        table = torch.tensor(seq.block_table, dtype=torch.long, device=device)
-        active = torch.arange(n)  # indices (into start..end) of the tokens this layer computes
-        if schedule.ratios[0] == 0.0 and always is None:
-            # nothing will be selected: skip the reused tokens from layer 0 on (plain KV reuse)
-            active = (~reused).nonzero(as_tuple=True)[0]
-        hidden = self.model.embed(ids[active.to(device)])
+    def needs_probe(self, seq: Sequence) -> bool:
+        job = self.jobs.get(seq.request_id)
+        return (job is not None and not job.probed and bool(self.settings.query_weight)
+                and bool(job.reused.any()) and self.settings.schedule(job.ratio).ratios[0] > 0)
 
-        def batch_of(active: torch.Tensor):
-            # built once per active set, so masks and RoPE tables are shared by the layers that use it
-            act = active.to(device)
-            return act, positions[act], AttentionMetadata([0, len(active)], [table], [end], slots[act])
+    def probe(self, seq: Sequence) -> tuple[list[int], "QuestionProbe"]:
+        """The question probe of seq's job: (positions of the prompt's tail after its last reused token, the
+        observer to run them through the model with). Its result lands in the job when the pass is done."""
+        job = self.jobs[seq.request_id]
+        job.probed = True
+        tail = list(range(int(job.reused.nonzero()[-1]) + 1, seq.num_tokens))
+        job.probe = torch.zeros(seq.num_tokens, dtype=torch.float32)
+        return tail, QuestionProbe(self.kv, torch.tensor(seq.block_table), seq.num_tokens, torch.tensor(tail),
+                                   self.attention_scale, self.num_layers, job.probe)
 
-        probe = None
-        if self.settings.query_weight and n_reused and schedule.ratios[0] > 0:  # ratio 0 keeps nothing: no ranking
-            probe = self._question_probe(ids, positions, slots, table, end, reused)
-        act, pos, meta = batch_of(active)
-        for i, layer in enumerate(self.model.layers):
-            if schedule.is_check_layer(i) and bool(reused[active].any()):
-                # Select before the layer runs: its fresh K/V come from the projections alone, so the
-                # attention and MLP of this layer are spent only on the tokens kept.
-                fresh_k, fresh_v = layer.project_kv(hidden, pos, meta)
-                cand = reused[active].nonzero(as_tuple=True)[0]  # rows of `hidden` that are reused tokens
-                cand_dev = cand.to(device)
-                old_k, old_v = self.kv.read_slots(i, slots[act[cand_dev]])
-                self.kv.write(i, slots[act], fresh_k, fresh_v)  # every token gets this layer's fresh K/V
-                dev = kv_deviation(old_k, fresh_k[cand_dev], old_v, fresh_v[cand_dev], score=self.settings.score)
-                if probe is not None:
-                    dev = combine_scores(dev, probe[active[cand]], self.settings.query_weight)
-                keep = count_for_ratio(schedule.ratios[schedule.check_layers.index(i)], n_reused)
-                cand_always = always[active[cand]] if always is not None else None
-                chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
-                rows = torch.cat([(~reused[active]).nonzero(as_tuple=True)[0], chosen]).sort().values
-                active = active[rows]
-                hidden = hidden[rows.to(device)]
-                act, pos, meta = batch_of(active)
-            hidden = layer(hidden, pos, meta, self.kv, i)
-        recomputed = int(reused[active].sum())
-        seq.recomputed_tokens = recomputed
-        seq.blended_tokens = n_reused - recomputed
-        seq.cached_tokens = (seq.cached_tokens or 0) + seq.blended_tokens
-        last = self.model.final_norm(hidden[-1:])
-        return self.model.compute_logits(last)
+    def selection(self, seq: Sequence, start: int, num_tokens: int) -> "ChunkSelection":
+        """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
+        job = self.jobs[seq.request_id]
+        end = start + num_tokens
+        return ChunkSelection(self.kv, self.settings, job, start, end, final=end == seq.num_tokens)
 
-    def _question_probe(self, ids, positions, slots, table, end: int, reused: torch.Tensor) -> torch.Tensor:
-        """Run the prompt's tail after the last reused token (the question) through every layer over the
-        reused KV as it stands, and return the attention mass [n] it pays each token of the blended range,
-        summed over layers. The tail's KV written here is rewritten by the blended pass."""
-        n = reused.shape[0]
-        device = ids.device
-        tail = torch.arange(int(reused.nonzero()[-1]) + 1, n, device=device)
-        hidden, pos = self.model.embed(ids[tail]), positions[tail]
-        meta = AttentionMetadata([0, len(tail)], [table], [end], slots[tail])
-        all_pos = torch.arange(end, device=device)
-        mass = torch.zeros(n, dtype=torch.float32, device=device)
-        for i, layer in enumerate(self.model.layers):
-            q = layer.project_q(hidden, pos)
-            hidden = layer(hidden, pos, meta, self.kv, i)  # writes the tail's K/V first
-            k, _ = self.kv.gather(i, table, end, meta.consecutive_start(self.kv, 0))
-            mass += query_attention(q, k, pos, all_pos, layer.self_attn.scale)[end - n:]
-        return mass.cpu()
+    def chunk_done(self, seq: Sequence, selection: "ChunkSelection") -> None:
+        """After the step's forward: count what selection did. Anything not recomputed makes seq's KV
+        approximate, so from now on it is filed under its approximate namespace."""
+        job = self.jobs[seq.request_id]
+        job.recomputed += selection.recomputed
+        job.blended += selection.num_reused - selection.recomputed
+        if job.blended:
+            self.blocks.make_approximate(seq)
 
-    # registration -------------------------------------------------------------------------
+    # ---- finish ----------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> BlendJob | None:
+        """seq's prompt is computed, or seq leaves (finish, abort, preemption): close its job."""
+        return self.jobs.pop(seq.request_id, None)
+
     def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:
         """File seq's reusable chunks whose KV is exact and not yet indexed (called once its prompt is
         computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
-        salt = seq.extra_key
         stored = present = 0
         for start, n in self._spans_ending_after(seq, 0):
             alone = self._is_first_chunk(seq, start)
@@ -250,21 +219,87 @@ class Blender:
                 continue
             tokens = seq.prompt_ids[start:start + n]
             # an alone copy serves every lookup (it is preferred); an in-context one only where none exists
-            if self.index.contains(tokens, salt, True if alone else None):
+            if self.index.contains(tokens, seq.namespace, True if alone else None):
                 present += n
                 continue
-            try:
-                blocks = self.index.cache.allocate(self.index.blocks_needed(tokens))
-            except OutOfBlocks:
+            src = self._slots(seq.block_table, range(start, start + n))
+            pos = torch.arange(n)
+
+            def fill(blocks: list[int]) -> None:
+                self._move(src, self._slots(blocks, range(n)), pos + start, pos)
+
+            if not self.index.store(tokens, fill, seq.namespace, alone):
                 log.debug("no room to register a %d-token chunk", n)
                 break
-            dst = self._slots(blocks, range(n))
-            src = self._slots(seq.block_table, range(start, start + n))
-            pos = torch.arange(n, device=dst.device)
-            self._copy(src, dst, pos + start, pos)
-            spare = self.index.register(tokens, blocks, salt, alone)
-            if spare:
-                self.index.cache.free(spare)
             self.registered_chunks += 1
             stored += n
         return stored, present
+
+
+class ChunkSelection:
+    """Which of one blended chunk's tokens each layer computes (the chunk's tokens are prompt positions
+    start .. end - 1). Tokens not reused always go on; reused ones go on until a check layer, where the
+    deviation of their stale from their fresh K/V keeps the top share of them."""
+
+    def __init__(self, kv: KVPool, settings: BlendSettings, job: BlendJob, start: int, end: int, final: bool):
+        self.kv = kv
+        self.settings = settings
+        self.reused = job.reused[start:end].clone()
+        if final:
+            self.reused[-1] = False  # the last token gives the logits
+        self.num_reused = int(self.reused.sum())
+        self.schedule = settings.schedule(job.ratio)
+        self.always = None if job.always is None else job.always[start:end]
+        self.probe = None if job.probe is None else job.probe[start:end]
+        # Nothing will be selected: the reused tokens skip every layer (plain KV reuse).
+        skip_reused = self.num_reused and self.schedule.ratios[0] == 0.0 and self.always is None
+        self.input_rows = (~self.reused).nonzero(as_tuple=True)[0] if skip_reused else None
+        self.recomputed = 0 if skip_reused else self.num_reused
+
+    def checks(self, layer: int) -> bool:
+        return self.num_reused > 0 and self.schedule.is_check_layer(layer)
+
+    def choose(self, layer: int, local: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor | None:
+        """At a check layer: `local` are the indices into this chunk's input rows of the rows still computed
+        (ascending), k/v their fresh K/V and slots where the stale one lies. Returns which of those rows go
+        on (indices into `local`), or None for all."""
+        local = local if self.input_rows is None else self.input_rows[local]  # -> positions in the chunk
+        cand = self.reused[local].nonzero(as_tuple=True)[0]
+        if not cand.numel():
+            return None
+        cand_dev = cand.to(k.device)
+        old_k, old_v = self.kv.read(layer, slots[cand_dev])
+        dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
+        if self.probe is not None:
+            dev = combine_scores(dev, self.probe[local[cand]], self.settings.query_weight)
+        keep = self.schedule.selection_count(layer, self.num_reused)
+        cand_always = None if self.always is None else self.always[local[cand]]
+        chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
+        rows = torch.cat([(~self.reused[local]).nonzero(as_tuple=True)[0], chosen]).sort().values
+        self.recomputed = int(self.reused[local[rows]].sum())
+        return rows
+
+
+class QuestionProbe(RowSelection):
+    """A forward of the prompt's tail (the question) over the reused KV as it stands, which adds the
+    attention mass it pays each prompt position, summed over layers, to `mass`. The tail's K/V it writes is
+    rewritten by the blended pass."""
+
+    def __init__(self, kv: KVPool, block_table: torch.Tensor, context: int, tail: torch.Tensor, scale: float,
+                 num_layers: int, mass: torch.Tensor):
+        self.kv = kv
+        self.table = block_table
+        self.context = context
+        self.tail = tail
+        self.scale = scale
+        self.last_layer = num_layers - 1
+        self.mass = mass
+        self.key_positions = torch.arange(context)
+
+    def rows(self, layer, q, k, v, meta):
+        keys = self.kv.gather(layer, self.table, self.context)[0].clone()
+        keys[self.tail.to(keys.device)] = k.to(keys.dtype)  # the tail sees its own fresh keys
+        self.mass += query_attention(q, keys, self.tail, self.key_positions, self.scale).cpu()
+        # nothing reads the last layer's output
+        return torch.empty(0, dtype=torch.long) if layer == self.last_layer else None

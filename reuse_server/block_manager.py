@@ -13,7 +13,7 @@ from typing import Callable
 
 from radix import OutOfBlocks, RadixCache
 
-from reuse_server.sequence import Sequence
+from reuse_server.sequence import KVState, Sequence
 
 # Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
 # one per blending setting (recompute ratio and selection settings), so that requests which did not ask for
@@ -21,8 +21,8 @@ from reuse_server.sequence import Sequence
 APPROXIMATE = b"\x00approx"
 
 
-def approximate_namespace(setting: str) -> bytes:
-    return APPROXIMATE + setting.encode()
+def approximate_namespace(namespace: bytes, setting: str) -> bytes:
+    return namespace + APPROXIMATE + setting.encode()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -32,14 +32,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
                  copy_blocks: Callable[[list[int], list[int]], None] | None = None) -> None:
+        """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
+        accounting alone)."""
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_blocks = copy_blocks
 
     @staticmethod
-    def publish_key(seq: Sequence) -> bytes:
-        return seq.extra_key + seq.approximate_key if seq.approximate else seq.extra_key
+    def publish_namespace(seq: Sequence) -> bytes:
+        return seq.kv.approximate_namespace if seq.kv.approximate else seq.namespace
 
     def _caches(self, seq: Sequence) -> bool:
         return self.enable_prefix_cache and seq.uses_prefix_cache
@@ -52,160 +54,172 @@ class BlockManager:
         if not self._caches(seq):
             return 0
         # Full blocks only: this orders the queue, where a partial block's few tokens change nothing.
-        return self.cache.match(self._matchable(seq), seq.extra_key, record_stats=False).num_tokens
+        return self.cache.match(self._matchable(seq), seq.namespace, record_stats=False).num_tokens
 
-    def pending_block(self, seq: Sequence, depth: int) -> tuple | None:
-        """A key for seq's prompt block that starts at token `depth`, together with every token before it:
-        sequences with equal keys compute the same KV for that block. None past the prompt's matchable full
-        blocks, or where seq does not share through the exact prefix cache."""
-        end = depth + self.block_size
-        if not self._caches(seq) or end > len(seq.prompt_ids) - 1:
+    def prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """The block identities (chain hashes in seq's namespace) of the prompt's matchable full blocks,
+        computed once."""
+        if seq.kv.prompt_hashes is None:
+            seq.kv.prompt_hashes = self.cache.hasher.hash_blocks(seq.prompt_ids[:len(seq.prompt_ids) - 1],
+                                                                 seq.namespace)
+        return seq.kv.prompt_hashes
+
+    def pending_block(self, seq: Sequence, depth: int) -> bytes | None:
+        """The identity of seq's prompt block that starts at token `depth` (a multiple of the block size):
+        sequences with equal identities compute the same KV for that block. None past the prompt's matchable
+        full blocks, or where seq does not share through the exact prefix cache."""
+        index = depth // self.block_size
+        if not self._caches(seq) or index >= (len(seq.prompt_ids) - 1) // self.block_size:
             return None
-        return seq.extra_key, depth, hash(tuple(seq.prompt_ids[:end]))
+        return self.prompt_hashes(seq)[index]
 
-    def next_uncached_block(self, seq: Sequence, cached_tokens: int | None = None) -> tuple | None:
+    def next_uncached_block(self, seq: Sequence, cached_tokens: int | None = None) -> bytes | None:
         """For a waiting seq: the pending_block key of the first block the cache cannot serve now
         (`cached_tokens`: peek_cached(seq), if already looked up in this step)."""
         return self.pending_block(seq, self.peek_cached(seq) if cached_tokens is None else cached_tokens)
 
-    def block_in_flight(self, seq: Sequence) -> tuple | None:
+    def block_in_flight(self, seq: Sequence) -> bytes | None:
         """For an admitted seq still computing its prompt into the exact tree: the pending_block key of its
-        first block not yet handed to the tree (being computed, or next)."""
-        if not seq.is_prefilling or seq.approximate or seq.unpublishable or seq.blend_plan is not None:
+        first block not yet handed to the tree (being computed, or next). The caller excludes blended
+        prefills, whose KV may end up approximate."""
+        if not seq.is_prefilling or seq.kv.approximate or seq.kv.unpublishable:
             return None
-        return self.pending_block(seq, seq.num_inserted_blocks * self.block_size)
+        return self.pending_block(seq, seq.kv.num_published * self.block_size)
 
     def _matchable(self, seq: Sequence) -> list[int]:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
-    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_key: bytes | None = None) -> bool:
-        """Match seq's prefix, lock it, and allocate blocks for the first chunk. False (nothing held) if
-        the pool cannot take it now. With an approximate_key (the request accepts blending with that
-        setting) the prefix may also come from an earlier sequence blended the same way."""
-        assert not seq.block_table and seq.node is None
+    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_namespace: bytes | None = None) -> int | None:
+        """Match seq's prefix, lock it, and allocate blocks for the first chunk. Returns the prompt tokens the
+        cache served, or None (nothing held) if the pool cannot take it now. With an approximate_namespace
+        (the request accepts blending with that setting) the prefix may also come from an earlier sequence
+        blended the same way."""
+        kv = seq.kv
+        assert not kv.block_table and kv.node is None
         partial = None
         if self._caches(seq):
             tokens = self._matchable(seq)
-            match = self.cache.match(tokens, seq.extra_key, record_stats=False)
-            key = seq.extra_key
-            seq.approximate_key = approximate_key or b""
-            if approximate_key is not None:
-                approx = self.cache.match(tokens, seq.extra_key + approximate_key, record_stats=False)
+            match = self.cache.match(tokens, seq.namespace, record_stats=False)
+            namespace = seq.namespace
+            kv.approximate_namespace = approximate_namespace or b""
+            if approximate_namespace is not None:
+                approx = self.cache.match(tokens, approximate_namespace, record_stats=False)
                 if approx.num_tokens > match.num_tokens:
-                    match, key = approx, seq.extra_key + approximate_key
-                    seq.approximate = True
+                    match, namespace = approx, approximate_namespace
+                    kv.approximate = True
             self.cache.lock(match.node)
-            seq.node = match.node
-            seq.block_table = list(match.block_ids)
-            seq.num_computed = match.num_tokens
-            seq.num_inserted_blocks = len(match.block_ids)
+            kv.node = match.node
+            kv.block_table = list(match.block_ids)
+            kv.num_computed = match.num_tokens
+            kv.num_published = len(match.block_ids)
             if match.num_tokens and self._reuses_partial_blocks(seq):
                 # The prompt leaves the cached chain inside a block: copy the cached block that shares
                 # the most of its tokens and compute only from the divergence on. Not at the very start:
                 # a few shared template tokens would save nothing and cost the prefill its causal kernel
-                # (it would start at position 3 with a mask: +150 MiB under load, slower cold prompts).
-                partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], key)
+                # (it would start at position 3 with a mask).
+                partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
             if partial is not None:
                 self.cache.lock(partial.node)  # the allocation below must not evict it before the copy
-                seq.num_computed += partial.num_tokens
-        if seq.cached_tokens is None:
-            seq.cached_tokens = seq.num_computed
-        chunk = min(first_chunk_tokens, seq.num_tokens - seq.num_computed)
-        admitted = self.ensure_capacity(seq, seq.num_computed + chunk)
+                kv.num_computed += partial.num_tokens
+        hit = kv.num_computed
+        chunk = min(first_chunk_tokens, seq.num_tokens - kv.num_computed)
+        admitted = self.ensure_capacity(seq, kv.num_computed + chunk)
         if partial is not None:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
-                self.copy_blocks([partial.block_id], [seq.block_table[seq.num_inserted_blocks]])
+                self.copy_blocks([partial.block_id], [kv.block_table[kv.num_published]])
             self.cache.unlock(partial.node)
         if not admitted:
             self.release(seq)
-            return False
-        return True
+            return None
+        return hit
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens positions. False (and nothing taken) if it cannot."""
-        need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        kv = seq.kv
+        need = blocks_for(num_tokens, self.block_size) - len(kv.block_table)
         if need <= 0:
             return True
         try:
             new = self.cache.allocate(need)
         except OutOfBlocks:
             return False
-        seq.block_table.extend(new)
-        seq.owned.update(new)
+        kv.block_table.extend(new)
+        kv.owned.update(new)
         return True
+
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """The step computed seq's next num_tokens tokens: count them and publish its full blocks."""
+        seq.kv.num_computed += num_tokens
+        self.publish(seq)
 
     def publish(self, seq: Sequence) -> None:
         """Hand seq's computed full blocks to the radix tree (so concurrent and later requests hit them)."""
-        if not self._caches(seq):
+        kv = seq.kv
+        if not self._caches(seq) or kv.unpublishable:
             return
-        full = seq.num_computed // self.block_size
-        if full <= seq.num_inserted_blocks:
+        full = kv.num_computed // self.block_size
+        if full <= kv.num_published:
             return
         tokens = seq.token_ids[: full * self.block_size]
-        if seq.unpublishable:
-            return
-        result = self.cache.insert(tokens, seq.block_table[:full], self.publish_key(seq))
+        namespace = self.publish_namespace(seq)
+        result = self.cache.insert(tokens, kv.block_table[:full], namespace)
         self.cache.lock(result.node)
-        if seq.node is not None:
-            self.cache.unlock(seq.node)
-        seq.node = result.node
-        seq.owned.difference_update(result.inserted_block_ids)
+        if kv.node is not None:
+            self.cache.unlock(kv.node)
+        kv.node = result.node
+        kv.owned.difference_update(result.inserted_block_ids)
         if result.duplicate_block_ids:
             # Another sequence published the same blocks first: use the tree's copies, free ours.
-            tree_blocks = self.cache.match(tokens, self.publish_key(seq), record_stats=False).block_ids
-            seq.block_table[:full] = tree_blocks
-            seq.owned.difference_update(result.duplicate_block_ids)
+            tree_blocks = self.cache.match(tokens, namespace, record_stats=False).block_ids
+            kv.block_table[:full] = tree_blocks
+            kv.owned.difference_update(result.duplicate_block_ids)
             self.cache.free(result.duplicate_block_ids)
-        seq.num_inserted_blocks = full
+        kv.num_published = full
 
     def make_approximate(self, seq: Sequence) -> None:
         """seq's KV is about to become approximate (blended). Its leading blocks belong to the exact tree;
         give it private copies so its whole chain can be filed under the approximate namespace it was
         admitted with."""
-        if seq.approximate or not self._caches(seq):
+        kv = seq.kv
+        if kv.approximate or not self._caches(seq):
             return
-        n = seq.num_inserted_blocks
+        n = kv.num_published
         if n:
             try:
                 copies = self.cache.allocate(n)
             except OutOfBlocks:
-                seq.unpublishable = True  # never file approximate KV where exact KV is expected
+                kv.unpublishable = True  # never file approximate KV where exact KV is expected
                 return
-            self.copy_blocks(seq.block_table[:n], copies)
-            seq.block_table[:n] = copies
-            seq.owned.update(copies)
-            self.cache.unlock(seq.node)
-            seq.node = None
-            seq.num_inserted_blocks = 0
-        seq.approximate = True
+            self.copy_blocks(kv.block_table[:n], copies)
+            kv.block_table[:n] = copies
+            kv.owned.update(copies)
+            self.cache.unlock(kv.node)
+            kv.node = None
+            kv.num_published = 0
+        kv.approximate = True
 
     def file_tail(self, seq: Sequence) -> None:
         """Hand seq's partial last block (computed tokens past its published full blocks) to the tree as a
         tail of its chain, so the next turn of a conversation does not recompute those tokens."""
-        if not self._reuses_partial_blocks(seq) or seq.unpublishable or seq.node is None:
+        kv = seq.kv
+        if not self._reuses_partial_blocks(seq) or kv.unpublishable or kv.node is None:
             return
-        full, rest = divmod(seq.num_computed, self.block_size)
-        if not rest or not full or seq.num_inserted_blocks != full or len(seq.block_table) <= full:
+        full, rest = divmod(kv.num_computed, self.block_size)
+        if not rest or not full or kv.num_published != full or len(kv.block_table) <= full:
             return
-        block = seq.block_table[full]
-        if block in seq.owned and self.cache.insert_tail(
-                seq.node, seq.token_ids[full * self.block_size:seq.num_computed], block) is not None:
-            seq.owned.discard(block)
+        block = kv.block_table[full]
+        if block in kv.owned and self.cache.insert_tail(
+                kv.node, seq.token_ids[full * self.block_size:kv.num_computed], block) is not None:
+            kv.owned.discard(block)
 
     def release(self, seq: Sequence) -> None:
         """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached, and
         so does the partial last block, as a tail."""
         self.file_tail(seq)
-        if seq.owned:
-            self.cache.free(sorted(seq.owned))
-            seq.owned.clear()
-        if seq.node is not None:
-            self.cache.unlock(seq.node)
-            seq.node = None
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.num_inserted_blocks = 0
-        seq.approximate = False
-        seq.approximate_key = b""
-        seq.unpublishable = False
+        kv = seq.kv
+        if kv.owned:
+            self.cache.free(sorted(kv.owned))
+        if kv.node is not None:
+            self.cache.unlock(kv.node)
+        seq.kv = KVState(prompt_hashes=kv.prompt_hashes)  # the prompt's identities do not change

@@ -1,98 +1,43 @@
-"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out. Built by
+engine_builder.build_engine; driven by one thread (the AsyncEngine's), which step() asserts."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
-from pathlib import Path
 
 import torch
-from radix import RadixCache
 
-from blend.chunk_index import ChunkIndex
-
-from reuse_server.block_manager import BlockManager
-from reuse_server.blending import Blender, BlendSettings
-from reuse_server.config import EngineConfig
+from reuse_server.engine_builder import EngineParts
 from reuse_server.detokenizer import IncrementalDetokenizer
-from reuse_server.key_shift_calibration import load_or_calibrate
-from reuse_server.kv_pool import KVPool
-from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.outputs import RequestOutput, TokenLogprob
-from reuse_server.runner import ModelRunner
-from reuse_server.sampler import Sampler, top_logprobs
+from reuse_server.sampler import top_logprobs
 from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
-from reuse_server.scheduler import Scheduler
-from reuse_server.sequence import SeqStatus, Sequence
+from reuse_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
-def _return_freed_memory() -> None:
-    """Give the heap memory that loading freed (dense weights copied into packed layouts, conversion and
-    calibration temporaries) back to the system: glibc keeps freed chunks below its mmap threshold mapped,
-    and they showed as ~90 MiB of resident memory after start (BENCHMARKS.md, Memory)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
-    return table[name]
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
-        path = resolve_model(config.model)
-        dtype = resolve_dtype(config.dtype, config.device)
-        self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
-        if config.cpu_matmul not in ("native", "onednn", "torch"):
-            raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose native, onednn or torch")
-        self.model.pack_for_cpu(config.cpu_matmul)
-        if config.cpu_attention not in ("native", "torch"):
-            raise ValueError(f"unknown cpu_attention {config.cpu_attention!r}; choose native or torch")
-        # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
-        on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
-        self.attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and self.model.use_cpu_attention_kernel()
-        self.tokenizer = load_tokenizer(path)
-        self.model_id = config.served_model_name or _default_model_id(config.model)
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.model = parts.model
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.model_id = parts.model_id
+        self.fingerprint = parts.fingerprint
+        self.attention_kernel = parts.attention_kernel
+        self.max_model_len = parts.max_model_len
+        self.kv = parts.kv
+        self.cache = parts.cache
+        self.blocks = parts.blocks
+        self.chunk_index = parts.chunk_index
+        self.blender = parts.blender
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.sampler = parts.sampler
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-
-        bs = config.block_size
-        if config.num_gpu_blocks:
-            num_blocks = config.num_gpu_blocks
-        else:
-            per_block = KVPool.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads, mc.head_dim, dtype)
-            num_blocks = config.kv_cache_memory // per_block
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
-        self.kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, dtype, config.device)
-        self.cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, seed=config.seed, policy=config.eviction_policy)
-        self.blocks = BlockManager(self.cache, bs, config.enable_prefix_cache, self._copy_blocks)
-        self.chunk_index = ChunkIndex(self.cache, bs, self.model_id, pad_token=mc.vocab_size,
-                                      min_tokens=config.blend_min_tokens)
-        self.blender = Blender(self.model, self.kv, self.chunk_index, BlendSettings(
-            recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
-            gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-            first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
-            query_weight=config.blend_query_weight), bs,
-            key_shift=load_or_calibrate(self.model, self.tokenizer, path, dtype, config.device)
-            if config.blend_key_shift else None)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.blender, config.enable_blend, config.dedup_prefill)
-        self.runner = ModelRunner(self.model, self.kv, bs, config.device)
-        self.sampler = Sampler()
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -102,7 +47,16 @@ class LLMEngine:
         self.metrics = None  # ServerMetrics, attached by the server
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)
-        _return_freed_memory()
+        self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
+        self._owner: int | None = None  # the one thread that drives the engine (the first to call in)
+
+    def _check_thread(self) -> None:
+        """Nothing in the engine is locked: one thread must drive it. The first to call in owns it."""
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise RuntimeError("the engine is driven by another thread (see AsyncEngine)")
 
     # ---- requests -------------------------------------------------------------------------
     @property
@@ -136,6 +90,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     cache: CacheOptions | None = None, arrival: float | None = None) -> Sequence:
+        self._check_thread()
         self.validate(prompt_ids, params)
         if request_id in self.seqs:
             raise InvalidRequest(f"Duplicate request id {request_id!r}.")
@@ -148,76 +103,97 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        self._check_thread()
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
         seq.finish_reason = "abort"
         return self._finish(seq, [], "")
 
+    def block_hashes(self, prompt_ids: list[int], cache: CacheOptions | None = None) -> list[bytes]:
+        """The identities of the prompt's full blocks as this engine files them: the same in every process and
+        on every server with the same model fingerprint (see radix.hashing)."""
+        return self.cache.hasher.hash_blocks(prompt_ids, (cache or CacheOptions()).namespace)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._check_thread()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        plain = [c for c in chunks if c.seq.blend_plan is None]
-        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in plain]
-        rows: dict[int, torch.Tensor] = {}  # id(seq) -> next-token logits
-        if plain:
-            logits = self.runner.run(plain, want)
-            sampled_plain = [c.seq for c, w in zip(plain, want) if w]
-            rows.update((id(seq), logits[i]) for i, seq in enumerate(sampled_plain))
         for c in chunks:
-            if c.seq.blend_plan is not None:
-                c.seq.reused_starts = c.seq.blend_plan.chunk_starts
-                rows[id(c.seq)] = self.blender.prefill(c.seq, c.seq.blend_plan)[0]
-                c.seq.blend_plan = None
-                if c.seq.blended_tokens:  # anything not recomputed makes the KV approximate
-                    self.blocks.make_approximate(c.seq)
-        outputs = []
-        for c in chunks:
+            if c.admitted_hit is not None and c.seq.usage.cached_tokens is None:
+                c.seq.usage.cached_tokens = c.admitted_hit
+        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in chunks]
+        logits = self._forward(chunks, want)  # a row per chunk that wants one, in order
+        outputs, pending, row = [], [], -1
+        for c, w in zip(chunks, want):
             seq = c.seq
-            seq.num_computed += c.num_tokens
-            self.blocks.publish(seq)
-            if id(seq) not in rows:
+            self.blocks.advance(seq, c.num_tokens)
+            if not w:
                 continue
-            if not seq.counted:
+            row += 1
+            if not seq.usage.counted:
                 self._prompt_done(seq)
             if seq.cache.precompute_only:
                 seq.finish_reason = "stop"
                 outputs.append(self._finish(seq, [], ""))
-        pending = [c.seq for c in chunks if id(c.seq) in rows and not c.seq.cache.precompute_only]
+            else:
+                pending.append((seq, row))
         if not pending:
             return outputs
-        tokens = self.sampler.sample(torch.stack([rows[id(s)] for s in pending]),
-                                     [s.request_id for s in pending], [s.params for s in pending],
-                                     [(s.prompt_ids, s.output_ids) for s in pending])
-        for seq, token in zip(pending, tokens):
-            outputs.append(self._append_token(seq, token, rows[id(seq)]))
+        picked = logits[[row for _, row in pending]]
+        seqs = [seq for seq, _ in pending]
+        tokens = self.sampler.sample(picked, [s.request_id for s in seqs], [s.params for s in seqs],
+                                     [(s.prompt_ids, s.output_ids) for s in seqs])
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            outputs.append(self._append_token(seq, token, picked[i]))
         return outputs
+
+    def _forward(self, chunks, want: list[bool]) -> torch.Tensor | None:
+        """One forward for the step; a blended prefill's chunk only chooses rows (blending.ChunkSelection)."""
+        blender = self.blender
+        for c in chunks:
+            if blender.needs_probe(c.seq):
+                positions, probe = blender.probe(c.seq)
+                self.runner.observe(c.seq, positions, probe)
+        selections = {i: blender.selection(c.seq, c.seq.num_computed, c.num_tokens)
+                      for i, c in enumerate(chunks) if blender.blending(c.seq)}
+        logits = self.runner.run(chunks, want, selections)
+        for i, selection in selections.items():
+            blender.chunk_done(chunks[i].seq, selection)
+        return logits
 
     def _prompt_done(self, seq: Sequence) -> None:
         """The prompt's KV is complete for the first time: count its usage, register its chunks."""
+        job = self.blender.finish(seq)
+        usage = seq.usage
+        if job is not None:
+            usage.blended_tokens, usage.recomputed_tokens = job.blended, job.recomputed
+            usage.cached_tokens = (usage.cached_tokens or 0) + job.blended
         self._count_usage(seq)
         if seq.cache.precompute_only or self.scheduler.blends(seq):
-            seq.chunk_tokens_stored, seq.chunk_tokens_present = self.blender.register(seq, skip=seq.reused_starts)
+            skip = job.chunk_starts if job is not None else set()
+            usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, skip=skip)
 
     def _count_usage(self, seq: Sequence) -> None:
-        seq.counted = True
+        usage = seq.usage
+        usage.counted = True
         n = len(seq.prompt_ids)
         self.counters["prompt_tokens"] += n
         if self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
             self.counters["prefix_query_tokens"] += n
-            self.counters["prefix_hit_tokens"] += seq.cached_tokens - seq.blended_tokens
-        self.counters["blended_tokens"] += seq.blended_tokens
-        self.counters["recomputed_tokens"] += seq.recomputed_tokens
+            self.counters["prefix_hit_tokens"] += (usage.cached_tokens or 0) - usage.blended_tokens
+        self.counters["blended_tokens"] += usage.blended_tokens
+        self.counters["recomputed_tokens"] += usage.recomputed_tokens
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> RequestOutput:
         now = time.monotonic()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        if seq.usage.first_token_time is None:
+            seq.usage.first_token_time = now
             if self.metrics is not None:
                 self.metrics.observe_ttft(now - seq.arrival)
         seq.output_ids.append(token)
@@ -249,7 +225,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, new_ids: list[int], new_text: str, lp=None) -> RequestOutput:
         self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
         self.seqs.pop(seq.request_id, None)
         self.detoks.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
@@ -259,16 +234,13 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str, finished: bool, lp) -> RequestOutput:
+        usage = seq.usage
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=len(seq.prompt_ids),
-            num_output_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0,
-            blended_tokens=seq.blended_tokens, recomputed_tokens=seq.recomputed_tokens, logprobs=lp,
-            chunk_tokens_stored=seq.chunk_tokens_stored, chunk_tokens_present=seq.chunk_tokens_present)
-
-    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        device = self.kv.k[0].device
-        self.kv.copy_blocks(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+            num_output_tokens=len(seq.output_ids), cached_tokens=usage.cached_tokens or 0,
+            blended_tokens=usage.blended_tokens, recomputed_tokens=usage.recomputed_tokens, logprobs=lp,
+            chunk_tokens_stored=usage.chunk_tokens_stored, chunk_tokens_present=usage.chunk_tokens_present)
 
     # ---- observability --------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -281,12 +253,3 @@ class LLMEngine:
             **self.counters,
         )
 
-
-def _default_model_id(model: str | None) -> str:
-    if model is None or model.lower() in BUNDLED_NAMES:
-        return "SmolLM2-135M-Instruct"
-    name = Path(model.rstrip("/")).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-BUNDLED_NAMES = {"smollm2", "smollm2-135m-instruct", "bundled"}

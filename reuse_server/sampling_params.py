@@ -93,3 +93,9 @@ class CacheOptions:
     # separator-delimited piece): what the chunk index registers and looks up
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)
     precompute_only: bool = False  # compute the prompt, register its chunks, generate nothing
+
+    @property
+    def namespace(self) -> bytes:
+        """The bytes that keep this request's cached KV apart from other requests' (the radix namespace its
+        exact blocks are filed under): requests share blocks only within one namespace."""
+        return self.cache_salt.encode() if self.cache_salt else b""

@@ -28,6 +28,7 @@ MAX_SKIPS = 8
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed
+    admitted_hit: int | None = None  # admitted this step: the prompt tokens the cache served
 
 
 class Scheduler:
@@ -56,18 +57,18 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        seq.queue.status = SeqStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
-        if seq.blend_plan is not None:
-            self.blender.release(seq.blend_plan)
-            seq.blend_plan = None
+        if self.blender is not None:
+            self.blender.finish(seq)
         self.blocks.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
+        seq.queue.status = SeqStatus.WAITING
+        seq.queue.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -98,57 +99,49 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if (in_flight and not self.blends(seq)
+            blends = self.blends(seq)
+            if (in_flight and not blends
                     and self.blocks.next_uncached_block(seq, cached.get(id(seq))) in in_flight):
                 continue  # another request is computing its next block: hit it next step instead
-            approximate_key = self.blender.approximate_key(seq) if self.blends(seq) else None
-            if not self.blocks.admit(seq, budget, approximate_key):
+            hit = self.blocks.admit(seq, budget, self.blender.approximate_namespace(seq) if blends else None)
+            if hit is None:
                 break  # the pool is full: wait for blocks to come back
-            if not self._plan_blend(seq):
+            if blends and not self.blender.admit(seq):
                 self.blocks.release(seq)
                 break
             self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
+            seq.queue.status = SeqStatus.RUNNING
             self.running.append(seq)
-            remaining = seq.num_tokens - seq.num_computed
-            # a blended prefill runs whole: its layers select tokens across the entire remainder
-            n = remaining if seq.blend_plan is not None else min(remaining, budget)
-            batch.append(ScheduledChunk(seq, n))
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.append(ScheduledChunk(seq, n, hit))
             budget -= n
-            if in_flight is not None and (key := self.blocks.block_in_flight(seq)) is not None:
+            if in_flight is not None and (key := self._block_in_flight(seq)) is not None:
                 in_flight.add(key)
         return batch
 
+    def _block_in_flight(self, seq: Sequence) -> bytes | None:
+        """The identity of the block seq is computing into the exact tree, if any (a blended prefill's KV may
+        come out approximate: nobody waits for it)."""
+        if self.blender is not None and self.blender.blending(seq):
+            return None
+        return self.blocks.block_in_flight(seq)
+
     def _blocks_in_flight(self) -> set | None:
-        """The pending_block keys of the blocks running requests are computing into the exact tree."""
+        """The identities of the blocks running requests are computing into the exact tree."""
         if not self.dedup_prefill or not self.waiting:
             return None
-        return {key for seq in self.running if (key := self.blocks.block_in_flight(seq)) is not None}
+        return {key for seq in self.running if (key := self._block_in_flight(seq)) is not None}
 
     def blends(self, seq: Sequence) -> bool:
         return self.blender is not None and (self.blend_default if seq.cache.blend is None else seq.cache.blend)
-
-    def _plan_blend(self, seq: Sequence) -> bool:
-        """Look seq's chunks up in the chunk index; a hit needs blocks for the whole prompt now.
-        False if those blocks are not available (nothing is then held for the plan)."""
-        if not self.blends(seq):
-            return True
-        plan = self.blender.plan(seq)
-        if plan is None:
-            return True
-        if not self.blocks.ensure_capacity(seq, seq.num_tokens):
-            self.blender.release(plan)
-            return False
-        seq.blend_plan = plan
-        return True
 
     def _admission_order(self) -> tuple[list[Sequence], dict[int, int]]:
         """The waiting sequences in admission order, and {id(seq): cached tokens} where that was looked up."""
         queue = list(self.waiting)
         if len(queue) <= 1 or len(queue) > CACHE_AWARE_QUEUE_LIMIT:
             return queue, {}
-        starved = [s for s in queue if s.skipped >= MAX_SKIPS or s.num_preemptions]
-        rest = [s for s in queue if not (s.skipped >= MAX_SKIPS or s.num_preemptions)]
+        starved = [s for s in queue if s.queue.skipped >= MAX_SKIPS or s.queue.preemptions]
+        rest = [s for s in queue if not (s.queue.skipped >= MAX_SKIPS or s.queue.preemptions)]
         cached = {id(s): self.blocks.peek_cached(s) for s in rest}
         rest.sort(key=lambda s: (-cached[id(s)], s.arrival))
         order = starved + rest
@@ -156,6 +149,6 @@ class Scheduler:
         latest_ahead = float("-inf")
         for seq in order:
             if latest_ahead > seq.arrival:
-                seq.skipped += 1
+                seq.queue.skipped += 1
             latest_ahead = max(latest_ahead, seq.arrival)
         return order, cached

@@ -1,4 +1,10 @@
-"""One request's state inside the engine: its tokens, its blocks, how far its KV is computed."""
+"""One request inside the engine, in parts that each have one writer:
+- the request itself (id, prompt, sampling and cache options, arrival): fixed when it arrives;
+- `output_ids` and `finish_reason`: the engine (LLMEngine) appends tokens and ends it;
+- `kv` (KVState): the block manager alone: its blocks, how far its KV is computed, what it handed the tree;
+- `queue` (QueueState): the scheduler alone: waiting or running, times passed over, preemptions;
+- `usage` (Usage): the engine alone: what the client is told about reuse.
+A blended prefill's state belongs to the blender (blending.BlendJob), not to the sequence."""
 from __future__ import annotations
 
 import enum
@@ -14,6 +20,46 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class KVState:
+    """Written by the BlockManager only. block_table[i] holds positions i*bs .. (i+1)*bs-1. Blocks in `owned`
+    are the sequence's alone (allocated, not in the tree); the others belong to the radix tree and stay alive
+    through `node`'s lock."""
+
+    block_table: list[int] = field(default_factory=list)
+    owned: set[int] = field(default_factory=set)
+    node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
+    num_computed: int = 0  # tokens whose KV is in the pool
+    num_published: int = 0  # leading full blocks handed to the radix tree
+    approximate: bool = False  # KV derived from blending: filed under `approximate_namespace`
+    approximate_namespace: bytes = b""  # where this sequence's blended KV is filed (one per blending setting)
+    unpublishable: bool = False  # approximate KV that could not be moved out of the exact namespace
+    prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks (exact namespace)
+
+
+@dataclass
+class QueueState:
+    """Written by the Scheduler only."""
+
+    status: SeqStatus = SeqStatus.WAITING
+    skipped: int = 0  # times passed over by cache-aware ordering (starvation guard)
+    preemptions: int = 0
+
+
+@dataclass
+class Usage:
+    """Written by the engine only. Counted at the first admission: a preempted request's recompute is our
+    cost, not the client's hit."""
+
+    cached_tokens: int | None = None  # prompt tokens not computed from scratch (prefix hits + blended)
+    blended_tokens: int = 0  # reused from the chunk index and not recomputed
+    recomputed_tokens: int = 0  # reused from the chunk index but recomputed by selection
+    counted: bool = False  # added to the engine's counters
+    first_token_time: float | None = None
+    chunk_tokens_stored: int = 0  # chunks this request filed in the chunk index
+    chunk_tokens_present: int = 0  # chunks it would have filed that were there already
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -23,32 +69,11 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
 
-    # KV state. block_table[i] holds positions i*bs .. (i+1)*bs-1. Blocks in `owned` are ours alone
-    # (allocated, not in the tree); the others belong to the radix tree and stay alive through `node`'s lock.
-    block_table: list[int] = field(default_factory=list)
-    owned: set[int] = field(default_factory=set)
-    node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
-    num_computed: int = 0  # tokens whose KV is in the pool
-    num_inserted_blocks: int = 0  # leading full blocks already handed to the radix tree
-    approximate: bool = False  # KV derived from blending: filed under the approximate namespace
-    approximate_key: bytes = b""  # that namespace (one per blending setting)
-    unpublishable: bool = False  # approximate KV that could not be moved out of the exact tree
-
-    # usage accounting (first admission only: a preempted request's recompute is our cost, not the client's hit)
-    cached_tokens: int | None = None
-    counted: bool = False  # usage added to the engine's counters
-    blended_tokens: int = 0
-    recomputed_tokens: int = 0
-    num_preemptions: int = 0
-    first_token_time: float | None = None
-    blend_plan: object | None = None  # BlendPlan while a blended prefill is scheduled
-    reused_starts: set[int] = field(default_factory=set)  # chunk starts whose KV came from the chunk index
-    chunk_tokens_stored: int = 0
-    chunk_tokens_present: int = 0
-    skipped: int = 0  # times passed over by cache-aware ordering (starvation guard)
+    kv: KVState = field(default_factory=KVState)
+    queue: QueueState = field(default_factory=QueueState)
+    usage: Usage = field(default_factory=Usage)
 
     @property
     def token_ids(self) -> list[int]:
@@ -59,13 +84,26 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_computed(self) -> int:
+        return self.kv.num_computed
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.kv.block_table
+
+    @property
+    def status(self) -> SeqStatus:
+        return self.queue.status
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_tokens - 1
+        return self.kv.num_computed < self.num_tokens - 1
 
     @property
     def uses_prefix_cache(self) -> bool:
         return self.cache.prefix_cache
 
     @property
-    def extra_key(self) -> bytes:
-        return self.cache.cache_salt.encode() if self.cache.cache_salt else b""
+    def namespace(self) -> bytes:
+        """What keeps this request's cached KV apart from other requests' (see CacheOptions.namespace)."""
+        return self.cache.namespace

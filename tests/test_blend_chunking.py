@@ -112,9 +112,9 @@ def test_separator_passage_tokens_independent_of_position(tok, where):
 
 
 def test_a_passage_is_found_in_the_chunk_index_wherever_it_appears(tok):
-    idx = ChunkIndex(RadixCache(256, 4), 4, "m", pad_token=10**6, min_tokens=1)
+    idx = ChunkIndex(RadixCache(256, 4), 4, pad_token=10**6, min_tokens=1)
     alone = list(tokenize_chunks(tok, [PASSAGE, "tail"])[0].tokens)
-    idx.register(alone, idx.cache.allocate(idx.blocks_needed(alone)))
+    assert idx.store(alone, lambda blocks: None)
     for before in ([OTHER], [OTHER, QUESTION]):
         chunks = tokenize_chunks(tok, [*before, PASSAGE, "tail"])
         assert idx.contains(list(chunks[len(before)].tokens))

@@ -1,4 +1,5 @@
-"""The chunk index: keys depend on a chunk's own tokens, the model and the salt, never on its position."""
+"""The chunk index: identities depend on a chunk's own tokens, the model and the namespace, never on its
+position."""
 from __future__ import annotations
 
 from blend.chunk_index import ChunkIndex
@@ -7,15 +8,26 @@ from radix import RadixCache
 BS = 4
 
 
-def index(model="m", num_blocks=64, min_tokens=4) -> ChunkIndex:
-    return ChunkIndex(RadixCache(num_blocks, BS), BS, model, pad_token=1000, min_tokens=min_tokens)
+def index(num_blocks=64, min_tokens=4, cache=None) -> ChunkIndex:
+    return ChunkIndex(cache or RadixCache(num_blocks, BS), BS, pad_token=1000, min_tokens=min_tokens)
 
 
 def store(idx: ChunkIndex, tokens, salt=b"", alone=True):
-    blocks = idx.cache.allocate(idx.blocks_needed(tokens))
-    spare = idx.register(tokens, blocks, salt, alone)
-    idx.cache.free(spare)
-    return blocks
+    filled = []
+    assert idx.store(tokens, filled.extend, salt, alone)
+    return filled
+
+
+def test_store_frees_what_the_tree_already_holds_and_says_when_there_is_no_room():
+    idx = index(num_blocks=6)
+    chunk = list(range(10, 21))  # 3 blocks
+    store(idx, chunk)
+    store(idx, chunk)  # the same identity again: the second copy's blocks go back
+    stats = idx.cache.stats()
+    assert stats.cached_blocks == 3 and stats.in_use_blocks == 0
+    idx.hold(idx.lookup(chunk))
+    assert not idx.store(list(range(30, 47)), lambda blocks: None)  # 5 blocks, 3 free, the rest held
+    assert idx.cache.stats().in_use_blocks == 3  # only the held hit
 
 
 def test_whole_chunk_including_its_partial_tail_is_found():
@@ -27,15 +39,20 @@ def test_whole_chunk_including_its_partial_tail_is_found():
     assert idx.contains(chunk)
 
 
-def test_salt_and_model_separate_equal_tokens():
+def test_namespace_and_model_separate_equal_tokens():
     idx = index()
     chunk = list(range(10, 22))
     store(idx, chunk, b"tenant-a")
     assert idx.lookup(chunk, b"tenant-b") is None
     assert idx.lookup(chunk) is None
-    other_model = ChunkIndex(idx.cache, BS, "other", pad_token=1000, min_tokens=4)
-    assert other_model.lookup(chunk, b"tenant-a") is None
     assert idx.contains(chunk, b"tenant-a")
+    # another model's cache (another identity) names the same chunk differently
+    ours = index(cache=RadixCache(64, BS, identity=b"model-a"))
+    theirs = index(cache=RadixCache(64, BS, identity=b"model-b"))
+    store(ours, chunk)
+    store(theirs, chunk)
+    key = lambda idx: idx.cache.hasher.hash_blocks(idx.padded(chunk), idx.chunk_namespace())
+    assert key(ours) != key(theirs) and ours.lookup(chunk) is not None
 
 
 def test_a_chunk_sharing_only_a_beginning_reuses_its_full_blocks():

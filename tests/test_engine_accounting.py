@@ -7,6 +7,7 @@ import pytest
 
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampling_params import SamplingParams
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -20,8 +21,8 @@ def held_blocks(engine: LLMEngine) -> set[int]:
     """Blocks the running and waiting sequences hold outright (not through the tree)."""
     held: set[int] = set()
     for seq in engine.seqs.values():
-        assert not (held & seq.owned), "a block is owned by two sequences"
-        held |= seq.owned
+        assert not (held & seq.kv.owned), "a block is owned by two sequences"
+        held |= seq.kv.owned
     return held
 
 
@@ -40,7 +41,7 @@ def check(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_random_load_with_preemption_and_aborts(checkpoint, seed):
     rng = random.Random(seed)
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=24, max_num_seqs=6,
+    engine = build_engine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=24, max_num_seqs=6,
                                     max_num_batched_tokens=16))
     stems = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     finished, aborted, submitted = set(), set(), []
@@ -78,7 +79,7 @@ def test_preempted_request_still_produces_the_same_text(checkpoint):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     def run(num_blocks):
-        engine = LLMEngine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=num_blocks,
+        engine = build_engine(EngineConfig(model=str(checkpoint), block_size=4, num_gpu_blocks=num_blocks,
                                         max_num_seqs=5, max_num_batched_tokens=64, enable_prefix_cache=False))
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params)

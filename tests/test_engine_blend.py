@@ -8,6 +8,7 @@ import torch
 
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -24,7 +25,7 @@ def make_engine(path, **kw) -> LLMEngine:
     cfg = dict(model=str(path), block_size=BS, num_gpu_blocks=512, max_num_seqs=4, max_num_batched_tokens=64,
                enable_blend=True, blend_min_tokens=MIN)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    return build_engine(EngineConfig(**cfg))
 
 
 def drain(engine: LLMEngine) -> dict:
@@ -75,9 +76,10 @@ def seq_kv(engine: LLMEngine, ids: list[int]):
     full = (len(ids) - 1) // BS * BS
     m = engine.cache.match(ids[:full], b"", record_stats=False)
     assert m.num_tokens == full
-    blocks = torch.tensor(m.block_ids)
-    ks = torch.stack([engine.kv.k[l][blocks].reshape(full, -1) for l in range(engine.kv.num_layers)])
-    vs = torch.stack([engine.kv.v[l][blocks].reshape(full, -1) for l in range(engine.kv.num_layers)])
+    data = engine.kv.export_blocks(m.block_ids)  # [blocks, layers, K/V, block_size, heads, dim]
+    layers = engine.kv.num_layers
+    ks = data[:, :, 0].transpose(0, 1).reshape(layers, full, -1)
+    vs = data[:, :, 1].transpose(0, 1).reshape(layers, full, -1)
     return ks, vs
 
 
@@ -116,16 +118,14 @@ def test_reused_keys_are_rotated_to_their_new_positions(checkpoint):
     seq_ids = ids
     engine.add_request("x", seq_ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["x"]
-    engine.blocks.admit(seq, len(ids))
-    plan = engine.blender.plan(seq)
-    assert plan is not None and plan.spans == spans
-    assert engine.blocks.ensure_capacity(seq, seq.num_tokens)
-    engine.blender.copy_in(seq, plan)
-    engine.blender.release(plan)
+    assert engine.blocks.admit(seq, len(ids)) == 0
+    assert engine.blender.admit(seq)  # the chunks are found and copied in
+    reused = engine.blender.jobs["x"].reused
+    assert reused.nonzero().flatten().tolist() == [p for start, n in spans for p in range(start, start + n)]
     for start, n in spans:
         n = min(n, k_full.shape[1] - start)  # the reference holds full blocks only
         slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(start, start + n)])
-        k0, _ = engine.kv.read_slots(0, slots)
+        k0, _ = engine.kv.read(0, slots)
         assert torch.allclose(k0.reshape(n, -1), k_full[0, start:start + n], atol=1e-5, rtol=1e-5)
     engine.abort("x")
     assert engine.cache.stats().in_use_blocks == 0
@@ -265,3 +265,64 @@ def test_a_chunk_that_starts_inside_the_prefix_hit_is_still_blended(checkpoint):
     out = generate(engine, "b", ids, spans, blend=True, ratio=0.0)[2]
     # 12 tokens come from the exact prefix, the rest of the chunk from the chunk index
     assert out.cached_tokens == 12 + (24 - 9) and out.blended_tokens == 24 - 9
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_a_blended_prefill_batched_with_decodes_and_prefills_gives_what_it_gives_alone(checkpoint, ratio):
+    """A blended prefill runs through the same forward as everything else: in one step with other requests'
+    decodes and plain prefills it selects the same rows and gives the same tokens as alone."""
+    alone_engine, busy_engine = make_engine(checkpoint), make_engine(checkpoint, max_num_batched_tokens=256)
+    rng = random.Random(21)
+    outs = {}
+    for name, engine in (("alone", alone_engine), ("busy", busy_engine)):
+        ids, spans = reversed_precomputed_prompt(engine, seed=21)
+        params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+        steps_together = 0
+        if name == "busy":
+            for i in range(2):  # two requests already decoding when the blended one arrives
+                engine.add_request(f"d{i}", [rng.randrange(3, 200) for _ in range(9)],
+                                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+            engine.step()
+            engine.add_request("p", [rng.randrange(3, 200) for _ in range(30)], params)  # a plain prefill
+        engine.add_request("b", ids, params, CacheOptions(chunk_spans=spans, blend=True, recompute_ratio=ratio))
+        got: dict = {}
+        while engine.has_work():
+            kinds = {s.request_id: s.is_prefilling for s in engine.scheduler.running + list(engine.scheduler.waiting)}
+            step = engine.step()
+            if name == "busy" and kinds.get("b") is not None and kinds.get("p") and "d0" in kinds:
+                steps_together += 1
+            for out in step:
+                t, lps, _ = got.get(out.request_id, ([], [], None))
+                got[out.request_id] = (t + out.new_token_ids, lps + (out.logprobs or []), out)
+            engine.cache.check_invariants()
+        outs[name] = got["b"]
+        if name == "busy":
+            assert steps_together >= 1  # the blended prefill shared a step with a decode and a prefill
+        assert engine.cache.stats().in_use_blocks == 0
+    alone, busy = outs["alone"], outs["busy"]
+    assert alone[2].blended_tokens > 0
+    assert (busy[2].blended_tokens, busy[2].recomputed_tokens) == (alone[2].blended_tokens, alone[2].recomputed_tokens)
+    assert busy[0] == alone[0]
+    close(busy[1], alone[1], 1e-4)
+
+
+def test_a_blended_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(checkpoint):
+    """Within the token budget like any prefill: a blended prompt of 47 tokens with a budget of 16 takes
+    several steps; at ratio 1 every reused token is recomputed in its chunk, which is a full prefill."""
+    blended = make_engine(checkpoint, max_num_batched_tokens=16)
+    full = make_engine(checkpoint, enable_blend=False)
+    ids, spans = reversed_precomputed_prompt(blended, seed=22)
+    blended.add_request("b", ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True),
+                        CacheOptions(chunk_spans=spans, blend=True, recompute_ratio=1.0))
+    prefill_steps, got = 0, ([], [], None)
+    while blended.has_work():
+        prefilling = blended.seqs["b"].num_computed < len(ids)
+        outs = blended.step()
+        prefill_steps += prefilling
+        for out in outs:
+            got = (got[0] + out.new_token_ids, got[1] + (out.logprobs or []), out)
+    assert prefill_steps >= -(-len(ids) // 16)
+    ref = generate(full, "f", ids, spans, blend=False)
+    assert got[2].recomputed_tokens == sum(n for _, n in spans) and got[2].blended_tokens == 0
+    assert got[0] == ref[0]
+    close(got[1], ref[1], 1e-4)

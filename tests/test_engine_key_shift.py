@@ -13,6 +13,7 @@ from blend.key_shift import unrope
 from reuse_server.api.chat_template import user_turn_opening
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.key_shift_calibration import calibration_chats, load_or_calibrate
 from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.sampling_params import CacheOptions, SamplingParams
@@ -58,12 +59,9 @@ def copied_keys(engine: LLMEngine, ids, spans) -> list[torch.Tensor]:
     engine.add_request("probe", ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["probe"]
     engine.blocks.admit(seq, len(ids))
-    plan = engine.blender.plan(seq)
-    assert plan is not None and engine.blocks.ensure_capacity(seq, seq.num_tokens)
-    engine.blender.copy_in(seq, plan)
-    engine.blender.release(plan)
+    assert engine.blender.admit(seq) and engine.blender.blending(seq)  # chunks found and copied in
     slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(len(ids))])
-    keys = [engine.kv.read_slots(layer, slots)[0].clone() for layer in range(engine.kv.num_layers)]
+    keys = engine.kv.read_keys(slots)
     engine.abort("probe")
     assert engine.cache.stats().in_use_blocks == 0
     return keys
@@ -157,7 +155,7 @@ def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
 def smollm2_engines():
     cfg = dict(model=str(resolve_model(None)), kv_cache_memory=64 << 20, max_num_batched_tokens=2048,
                blend_min_tokens=16)
-    return LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, blend_key_shift=False))
+    return build_engine(EngineConfig(**cfg)), build_engine(EngineConfig(**cfg, blend_key_shift=False))
 
 
 # measured when written: ratio 0: mean KL 0.058 with the shift, 0.160 without; ratio 0.15: 0.020 vs 0.034

@@ -7,6 +7,7 @@ import pytest
 
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
+from reuse_server.engine_builder import build_engine
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -22,7 +23,7 @@ def make_engine(path, prefix=True, **kw) -> LLMEngine:
     cfg = dict(model=str(path), block_size=BS, num_gpu_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
                enable_prefix_cache=prefix)
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    return build_engine(EngineConfig(**cfg))
 
 
 def run_to_end(engine: LLMEngine, requests: list[tuple[str, list[int]]], max_tokens=6, after_each_step=None):
@@ -191,9 +192,9 @@ def computed_tokens(engine: LLMEngine, requests, after_each_step=None) -> tuple[
     total = [0]
     real = engine.runner.run
 
-    def counting(chunks, want):
+    def counting(chunks, want, *rest):
         total[0] += sum(c.num_tokens for c in chunks)
-        return real(chunks, want)
+        return real(chunks, want, *rest)
 
     engine.runner.run = counting
     results = run_to_end(engine, requests, after_each_step=after_each_step)

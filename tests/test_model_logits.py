@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pools import fill_pool
 from reuse_server.kv_pool import KVPool
+from reuse_server.model.llama import OutputRows
 from reuse_server.model import AttentionMetadata, attention, load_model, native
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -205,10 +207,8 @@ def test_non_contiguous_positions_layer_by_layer(checkpoints, name, attention):
     meta = AttentionMetadata([0, len(subset)], [seq.block_table], [21], torch.tensor(seq.slots(subset)))
     positions = torch.tensor(subset)
     with torch.inference_mode():
-        hidden = ours.embed(torch.tensor([seq.token_ids[p] for p in subset]))
-        for i, layer in enumerate(ours.layers):
-            hidden = layer(hidden, positions, meta, pool, i)
-        logits = ours.compute_logits(ours.final_norm(hidden))
+        hidden = ours(torch.tensor([seq.token_ids[p] for p in subset]), positions, meta, pool)
+        logits = ours.compute_logits(hidden)
     assert rel_err(logits, reference_logits(ref, seq.token_ids)[subset]) <= REL_TOL
 
 
@@ -217,9 +217,7 @@ def test_fresh_kv_is_written_before_attending(checkpoints, attention):
     """A query attends to its own fresh K/V: stale pool contents at its slot must not leak in."""
     ours, config, ref = models(checkpoints, "llama", attention=attention)
     pool = new_pool(config)
-    for layer in range(config.num_layers):
-        pool.k[layer].normal_()
-        pool.v[layer].normal_()
+    fill_pool(pool)
     (seq,) = make_sequences([9], pool, config.vocab_size, seed=15)
     logits = run_step(ours, pool, [(seq, list(range(9)), 9)])
     assert rel_err(logits, reference_logits(ref, seq.token_ids)) <= REL_TOL
@@ -293,10 +291,8 @@ def test_long_chunk_and_scattered_queries_attend_in_groups(checkpoints, name, co
     assert len(groups) > 1 and groups[0][2] < n  # the first group reads fewer keys than the context
     assert (meta.consecutive_start(pool, 0) is not None) == consecutive
     with torch.inference_mode():
-        hidden = ours.embed(torch.tensor([seq.token_ids[p] for p in subset]))
-        for i, layer in enumerate(ours.layers):
-            hidden = layer(hidden, positions, meta, pool, i)
-        logits = ours.compute_logits(ours.final_norm(hidden))
+        hidden = ours(torch.tensor([seq.token_ids[p] for p in subset]), positions, meta, pool)
+        logits = ours.compute_logits(hidden)
     assert rel_err(logits, expected[subset]) <= REL_TOL
 
 
@@ -326,7 +322,7 @@ def test_warm_queries_over_a_consecutive_prefix_match_transformers(checkpoints, 
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
 def test_output_rows_skip_the_last_layer_for_the_others_but_keep_their_kv(checkpoints, name, attention):
-    """With output_rows the last layer attends and runs its MLP only for those tokens (what the runner asks
+    """With OutputRows the last layer attends and runs its MLP only for those tokens (what the runner asks
     for: the rows whose logits it samples). Their logits are the full forward's, and every token's K/V is
     still written: a chunk computed with no output rows at all serves the next chunk exactly."""
     ours, config, ref = models(checkpoints, name, attention=attention)
@@ -338,7 +334,7 @@ def test_output_rows_skip_the_last_layer_for_the_others_but_keep_their_kv(checkp
         meta = AttentionMetadata([0, len(positions)], [seq.block_table], [ctx], torch.tensor(seq.slots(positions)))
         with torch.inference_mode():
             hidden = ours(torch.tensor([seq.token_ids[p] for p in positions]), torch.tensor(positions), meta, pool,
-                          torch.tensor(rows, dtype=torch.long))
+                          OutputRows(torch.tensor(rows, dtype=torch.long), config.num_layers))
             return ours.compute_logits(hidden)
 
     assert step(list(range(12)), 12, []).shape[0] == 0  # a chunk mid-prompt: K/V only

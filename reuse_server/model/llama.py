@@ -74,24 +74,15 @@ class Attention(nn.Module):
             qk, v = torch.cat([self.q_proj(hidden), self.k_proj(hidden)], -1), self.v_proj(hidden)
         return qk.view(t, self.num_heads + self.num_kv_heads, hd), v.view(t, self.num_kv_heads, hd)
 
-    def project_kv(self, hidden, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
-        """This layer's K (post-RoPE) and V of the tokens: [T, kv_heads, head_dim] each."""
-        qk, v = self._project(hidden)
-        return _rotate(qk[:, self.num_heads:], positions, meta, rotary), v
-
-    def project_q(self, hidden, positions, rotary: RotaryEmbedding):
-        """The tokens' queries (post-RoPE): [T, heads, head_dim]."""
-        q = self._project(hidden)[0][:, :self.num_heads]
-        cos, sin = rotary.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin)
-
     def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding,
-                rows: torch.Tensor | None = None):
-        """Writes every token's K/V; attends and returns [T, hidden] for all tokens, or for `rows` only
-        (ascending indices into the T tokens)."""
+                select: "RowSelection | None" = None):
+        """Writes every token's K/V; then attends for the rows `select` keeps (all without one). Returns the
+        attention output [rows, hidden], the rows kept (ascending indices into the T tokens; None: all), and
+        those rows' positions and metadata (built once here, shared by the later layers)."""
         qk, v = self._project(hidden)
         qk = _rotate(qk, positions, meta, rotary)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        rows = select.rows(layer_idx, q, k, v, meta) if select is not None else None  # sees the stale K/V
         kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
         if rows is not None:
             q, positions, meta = q[rows], positions[rows], meta.subset(rows)
@@ -103,7 +94,7 @@ class Attention(nn.Module):
         else:
             masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
             out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), rows, positions, meta
 
 
 def _rotate(x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
@@ -152,21 +143,42 @@ class DecoderLayer(nn.Module):
         self.__dict__["rotary"] = rotary
 
     def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int | None = None,
-                rows: torch.Tensor | None = None):
-        """hidden [T, hidden] -> [T, hidden] (or [len(rows), hidden]: only those tokens go on through attention
-        and the MLP), residuals included. Writes this layer's K/V of all T tokens at meta.slot_mapping."""
+                select: "RowSelection | None" = None):
+        """hidden [T, hidden] -> (hidden, positions, meta) of the rows that go on (all T, or those `select`
+        keeps: only they run attention and the MLP), residuals included. Writes this layer's K/V of all T
+        tokens at meta.slot_mapping."""
         idx = self.layer_idx if layer_idx is None else layer_idx
-        attended = self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx, self.rotary, rows)
-        hidden = (hidden if rows is None else hidden[rows]) + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended, rows, positions, meta = self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx,
+                                                         self.rotary, select)
+        if rows is not None:
+            hidden = hidden[rows]
+        hidden = hidden + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), positions, meta
 
-    def project_kv(self, hidden, positions, meta: AttentionMetadata):
-        """The K/V this layer would write for the tokens, without attending (blending's deviation check)."""
-        return self.self_attn.project_kv(self.input_layernorm(hidden), positions, meta, self.rotary)
 
-    def project_q(self, hidden, positions):
-        """The queries this layer would attend with (blending's query-aware selection)."""
-        return self.self_attn.project_q(self.input_layernorm(hidden), positions, self.rotary)
+class RowSelection:
+    """Which of a forward's tokens each layer computes: the one forward serves prefill, decode, chunked
+    prefill and blending, and blending only chooses rows. At every layer every current token's K/V is written;
+    `rows` may then keep some of them for that layer's attention and MLP, and later layers see only those."""
+
+    def rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> torch.Tensor | None:
+        """Called after the layer projected and rotated the current tokens' q [T, heads, d], k and v [T,
+        kv_heads, d], before it writes k/v to the pool (whose slots, meta.slot_mapping, still hold the old
+        K/V). Returns ascending indices into the T tokens, or None to keep them all."""
+        return None
+
+
+class OutputRows(RowSelection):
+    """Every layer computes every token, except the last, which goes on only for the rows whose logits are
+    wanted (their K/V is still written)."""
+
+    def __init__(self, rows: torch.Tensor, num_layers: int):
+        self.output_rows = rows
+        self.last_layer = num_layers - 1
+
+    def rows(self, layer, q, k, v, meta):
+        return self.output_rows if layer == self.last_layer else None
 
 
 class LlamaModel(nn.Module):
@@ -232,13 +244,11 @@ class LlamaModel(nn.Module):
             return self.lm_head(hidden_after_norm).float()
         return F.linear(hidden_after_norm, self.embed_tokens.weight).float()
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv, output_rows: torch.Tensor | None = None
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv, select: RowSelection | None = None
                 ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final-normed hidden states [T, hidden], or only those of
-        `output_rows` (ascending indices into the T tokens: the ones whose logits are wanted), whose last layer
-        then attends and runs its MLP for those rows alone (every token's K/V is still written)."""
+        """input_ids, positions: [T]. Returns the final-normed hidden states of the rows that come out of the
+        last layer: all T, or those `select` keeps."""
         hidden = self.embed(input_ids)
-        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, meta, kv, i, output_rows if i == last else None)
+            hidden, positions, meta = layer(hidden, positions, meta, kv, i, select)
         return self.final_norm(hidden)
