@@ -12,7 +12,7 @@ import sys
 
 from loadgen.errors import UsageError
 
-SUBCOMMAND_MODULES = ("loadgen.simulate", "loadgen.run", "loadgen.report_cmd")
+SUBCOMMAND_MODULES = ("loadgen.simulate", "loadgen.run", "loadgen.report_cmd", "loadgen.reclaim")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -217,7 +217,33 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(command_parser=serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
+    add_kv_calc_parser(commands)
     return parser
+
+
+def add_kv_calc_parser(commands) -> None:
+    from reuse_server.kv_layout import KV_DTYPE_CHOICES  # torch-free, like everything kv-calc imports
+
+    calc = commands.add_parser(
+        "kv-calc", help="how much KV cache a model needs and what fits in memory (reads the config only)",
+        formatter_class=_HelpFormatter,
+        description="Size the KV cache from a model's config (no weights are loaded): bytes per token and per "
+                    "block, the padding of partly filled last blocks, and what fits in a memory budget.")
+    calc.add_argument("--model", default="smollm2",
+                      help="the bundled model name 'smollm2', a .gguf file, a config.json, or a Hugging Face folder")
+    calc.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                      help="KV element type (auto: the device's default, fp32 on cpu and bf16 on cuda; fp8_e4m3 "
+                           "adds an fp32 scale per block and KV head, int8 one per token and KV head)")
+    calc.add_argument("--device", default="cpu", help="device that resolves --kv-dtype auto: cpu, cuda, ...")
+    calc.add_argument("--block-size", type=block_size, default=EngineConfig().block_size,
+                      help="tokens per KV cache block (a power of two, 1..512)")
+    calc.add_argument("--context", type=positive_int, default=None,
+                      help="tokens per sequence (default: the model's maximum context)")
+    calc.add_argument("--concurrency", type=positive_int, default=1, help="sequences held at once")
+    calc.add_argument("--memory", type=parse_size, default="1GiB",
+                      help="memory for the KV cache: e.g. 2GB, 512MiB, or plain bytes (default: 1GiB)")
+    calc.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    calc.set_defaults(command_parser=calc)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -269,7 +295,19 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             args.command_parser.error(problem)
         return serve(args)
+    if args.command == "kv-calc":
+        return kv_calc(args)
     return 2
+
+
+def kv_calc(args: argparse.Namespace) -> int:
+    from reuse_server.kv_calc import run
+    from reuse_server.model.errors import ModelLoadError
+
+    try:
+        return run(args)
+    except (ModelLoadError, ValueError) as exc:  # a model that cannot be read: one line, exit 2
+        args.command_parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -98,12 +98,47 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict | None]:
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:
-    window = hf.get("sliding_window")
-    if window is None or hf.get("use_sliding_window") is False:
-        return None
-    layer_types = hf.get("layer_types")
-    if layer_types and set(layer_types) != {"sliding_attention"}:
-        if "sliding_attention" not in layer_types:
-            return None
+    windows = set(layer_windows(hf))
+    if len(windows) > 1:
         raise ModelLoadError("models mixing sliding-window and full-attention layers are not implemented")
-    return int(window)
+    return windows.pop() if windows else None
+
+
+# Model families whose config.json leaves the local/global layer pattern implicit, as transformers fills it in:
+# every n-th layer global (sliding_window_pattern), or sliding from layer max_window_layers on.
+_WINDOW_PATTERN_DEFAULTS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+_SLIDING_FROM_MAX_WINDOW_LAYERS = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def layer_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: the whole context), as transformers reads config.json: an explicit
+    `layer_types` list, else the family's pattern (_WINDOW_PATTERN_DEFAULTS, Qwen's max_window_layers), else
+    `sliding_window` on every layer (Mistral). A chunked-attention layer (Llama 4) never looks back further than
+    `attention_chunk_size` tokens, so it counts as a window of that size."""
+    num_layers = hf["num_hidden_layers"]
+    arch = hf.get("model_type", "")
+    window = hf.get("sliding_window")
+    use_window = hf.get("use_sliding_window", arch not in _SLIDING_FROM_MAX_WINDOW_LAYERS)  # Qwen: off by default
+    if not use_window:
+        window = None
+    types = hf.get("layer_types")
+    if types is None:
+        if window is None:
+            return (None,) * num_layers
+        if arch in _SLIDING_FROM_MAX_WINDOW_LAYERS:
+            first = hf.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif "sliding_window_pattern" in hf or arch in _WINDOW_PATTERN_DEFAULTS:
+            every = int(hf.get("sliding_window_pattern") or _WINDOW_PATTERN_DEFAULTS[arch])
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention"] * num_layers
+    if len(types) != num_layers or not set(types) <= _LAYER_TYPES:
+        raise ModelLoadError(f"layer_types must list one of {sorted(_LAYER_TYPES)} for each of the "
+                             f"{num_layers} layers, got {types!r}")
+    windows = {"full_attention": None, "sliding_attention": window,
+               "chunked_attention": hf.get("attention_chunk_size")}
+    if "sliding_attention" in types and window is None:
+        windows["sliding_attention"] = None  # sliding layers with no window set (Qwen with it switched off)
+    return tuple(None if windows[t] is None else int(windows[t]) for t in types)

