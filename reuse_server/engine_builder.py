@@ -22,7 +22,8 @@ from reuse_server.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.config import ModelConfig
-from reuse_server.model.loader import BUNDLED_NAMES, load_model, load_tokenizer, resolve_model
+from reuse_server.model.bundled import is_bundled
+from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.runner import ModelRunner
 from reuse_server.sampler import Sampler
 from reuse_server.scheduler import Scheduler
@@ -107,7 +108,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
 
 
 def default_model_id(model: str | None) -> str:
-    if model is None or model.lower() in BUNDLED_NAMES:
+    if is_bundled(model):
         return "SmolLM2-135M-Instruct"
     name = Path(model.rstrip("/")).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
