@@ -1,24 +1,24 @@
 """Engine settings, one place; the CLI fills it from flags and `validate` checks them once, before anything
-is loaded."""
+is loaded. Torch-free, so that the CLI's tools that need no model (kv-calc) start fast."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
 CPU_MATMULS = ("native", "onednn", "torch")
 CPU_ATTENTIONS = ("native", "torch")
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """'auto' is fp32 on the CPU and bf16 on CUDA."""
+def resolve_dtype(name: str, device: str):
+    """The torch dtype for a --dtype name; 'auto' is fp32 on the CPU and bf16 on CUDA."""
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass
@@ -59,10 +59,8 @@ class EngineConfig:
         from radix import HASH_ALGOS, POLICIES, check_block_size  # the cache index owns its rules
 
         problems = []
-        try:
-            resolve_dtype(self.dtype, self.device)
-        except ValueError as exc:
-            problems.append(str(exc))
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            problems.append(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
         if self.cpu_attention not in CPU_ATTENTIONS:
