@@ -25,7 +25,7 @@ K, V = 0, 1
 @dataclass(frozen=True)
 class BlockLayout:
     """What an exported block buffer holds: [layers, 2 (K, V), block_size, kv_heads, head_dim] of `dtype`,
-    K after RoPE at the block's own positions."""
+    K after RoPE at the block's own positions, as `nbytes` bytes."""
 
     num_layers: int
     block_size: int
@@ -204,15 +204,18 @@ class KVPool:
 
     # ---- whole blocks, for tiers -----------------------------------------------------------
     def export_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """The KV of whole blocks, every layer: [n, *layout.shape] of the pool's dtype, contiguous, on the
-        CPU (one buffer per block: `out[i]`)."""
+        """The KV of whole blocks, every layer, as bytes: uint8 [n, layout.nbytes], contiguous, on the CPU;
+        row i is block i's buffer, laid out as `layout` describes."""
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        data = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return data.view(len(blocks), -1).view(torch.uint8)
 
     def import_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
-        """Write exported block buffers ([n, *layout.shape], any device) into the given blocks."""
-        if tuple(data.shape) != (len(blocks), *self.layout.shape) or data.dtype != self.dtype:
-            raise ValueError(f"expected {len(blocks)} blocks of {self.layout.shape} {self.dtype}, got "
-                             f"{tuple(data.shape)} {data.dtype}")
+        """Write block buffers made by export_blocks (uint8 [n, layout.nbytes], any device) into the given
+        blocks."""
+        if data.dtype != torch.uint8 or tuple(data.shape) != (len(blocks), self.layout.nbytes):
+            raise ValueError(f"expected uint8 [{len(blocks)}, {self.layout.nbytes}] block buffers, got "
+                             f"{data.dtype} {tuple(data.shape)}")
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        self._data[:, :, ids] = data.to(self.device).permute(1, 2, 0, 3, 4, 5)
+        values = data.to(self.device).contiguous().view(self.dtype).view(len(blocks), *self.layout.shape)
+        self._data[:, :, ids] = values.permute(1, 2, 0, 3, 4, 5)

@@ -76,7 +76,7 @@ def seq_kv(engine: LLMEngine, ids: list[int]):
     full = (len(ids) - 1) // BS * BS
     m = engine.cache.match(ids[:full], b"", record_stats=False)
     assert m.num_tokens == full
-    data = engine.kv.export_blocks(m.block_ids)  # [blocks, layers, K/V, block_size, heads, dim]
+    data = engine.kv.export_blocks(m.block_ids).view(engine.kv.dtype).view(len(m.block_ids), *engine.kv.layout.shape)
     layers = engine.kv.num_layers
     ks = data[:, :, 0].transpose(0, 1).reshape(layers, full, -1)
     vs = data[:, :, 1].transpose(0, 1).reshape(layers, full, -1)
