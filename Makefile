@@ -13,7 +13,7 @@ ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 3000
 endif
 
-.PHONY: venv serve test bench clean
+.PHONY: venv serve test bench clean redis-server
 
 venv: $(STAMP)
 
@@ -30,8 +30,17 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/reuse-server serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The Redis tier's tests run against a real redis-server (Debian's), which they start on a free port.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing Debian's redis-server (the Redis tier's tests start one)"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; }
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all

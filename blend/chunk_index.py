@@ -32,8 +32,12 @@ class ChunkHit:
 
 
 class ChunkIndex:
-    def __init__(self, cache: RadixCache, block_size: int, pad_token: int, min_tokens: int = 32):
+    def __init__(self, cache: RadixCache, block_size: int, pad_token: int, min_tokens: int = 32,
+                 pull: Callable[[RadixCache, list[int], bytes], object] | None = None):
+        """pull(cache, tokens, namespace): loads blocks continuing a chain from slower tiers into the cache
+        (the engine's KV tiers), so chunks computed before a restart or by another server are found."""
         self.cache = cache
+        self.pull = pull
         self.block_size = block_size
         self.pad_token = pad_token
         self.min_tokens = min_tokens
@@ -55,7 +59,10 @@ class ChunkIndex:
         padded = self.padded(tokens)
         best = None
         for form in ((True, False) if alone is None else (alone,)):
-            match = self.cache.match(padded, self.chunk_namespace(namespace, form), record_stats=False)
+            chunk_namespace = self.chunk_namespace(namespace, form)
+            if self.pull is not None:
+                self.pull(self.cache, padded, chunk_namespace)
+            match = self.cache.match(padded, chunk_namespace, record_stats=False)
             if match.num_tokens and (best is None or match.num_tokens > best.match.num_tokens):
                 best = ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match, form)
         return best

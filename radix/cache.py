@@ -99,6 +99,8 @@ class RadixCache:
         self._num_caller = 0
         self._num_evictable = 0  # tree blocks whose node has lock_ref 0
         self._num_locked = 0  # tree blocks whose node has lock_ref > 0
+        self._num_tails = 0
+        self._tail_tokens = 0  # tokens held by tails (their blocks are partly filled)
         self._queue = EvictionQueue(make_policy(policy))
         self._clock = 0
         self._query_tokens = 0
@@ -219,6 +221,8 @@ class RadixCache:
         self._state[block_id] = TREE
         self._num_caller -= 1
         self._num_evictable += 1
+        self._num_tails += 1
+        self._tail_tokens += len(data) // TOKEN_DTYPE.itemsize
         self._queue.add(child)
         if self.listener is not None:
             self.listener.stored(self._records(child, node.hashes[-1], 0))
@@ -371,6 +375,9 @@ class RadixCache:
 
     def _detach_leaf(self, leaf: TreeNode) -> None:
         """Take an evicted leaf out of the tree; its parent may become an evictable leaf."""
+        if leaf.key == TAIL_KEY:
+            self._num_tails -= 1
+            self._tail_tokens -= len(leaf.tokens) // TOKEN_DTYPE.itemsize
         parent = leaf.parent
         parent.remove_child(leaf)
         leaf.parent = None
@@ -412,6 +419,8 @@ class RadixCache:
             evictable_blocks=self._num_evictable,
             in_use_blocks=self._num_caller + self._num_locked,
             cached_blocks=self._num_evictable + self._num_locked,
+            cached_tokens=(self._num_evictable + self._num_locked - self._num_tails) * self.block_size
+            + self._tail_tokens,
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
             evicted_blocks=self._evicted_blocks,
@@ -430,7 +439,7 @@ class RadixCache:
         for block in itertools.chain(self._free, range(self._fresh, total)):
             claim(block, "free")
             _require(self._state[block] == FREE, f"free block {block} has state {self._state[block]}")
-        evictable = locked = 0
+        evictable = locked = tails = tail_tokens = 0
         leaves: set[TreeNode] = set()
         stack = [self._root]
         while stack:
@@ -446,6 +455,8 @@ class RadixCache:
                     _require(child.key == key, "child filed under a key that is not its first hash")
                     _require(node is self._root or child.namespace == node.namespace, "namespace differs from parent's")
                     if key == TAIL_KEY:
+                        tails += 1
+                        tail_tokens += len(child.tokens) // TOKEN_DTYPE.itemsize
                         _require(node is not self._root and n == 1 and not child.children, "a tail is one leaf block")
                         _require(0 < len(child.tokens) < bb and len(child.tokens) % TOKEN_DTYPE.itemsize == 0,
                                  "a tail holds 1 to block_size - 1 tokens")
@@ -485,6 +496,7 @@ class RadixCache:
         _require(evictable == self._num_evictable, f"evictable count {self._num_evictable} != {evictable}")
         _require(locked == self._num_locked, f"locked count {self._num_locked} != {locked}")
         _require(leaves == self._queue.leaves, "eviction queue disagrees with the tree's evictable leaves")
+        _require((tails, tail_tokens) == (self._num_tails, self._tail_tokens), "tail counters disagree with the tree")
         s = self.stats()
         _require(s.free_blocks + s.evictable_blocks + s.in_use_blocks == total, "free + evictable + in use != total")
 

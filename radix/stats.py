@@ -18,6 +18,7 @@ class CacheStats:
     evictable_blocks: int
     in_use_blocks: int
     cached_blocks: int  # blocks held by the tree (evictable + locked)
+    cached_tokens: int  # tokens whose KV those blocks hold (full blocks, and the tokens of tails)
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int

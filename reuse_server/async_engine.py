@@ -187,6 +187,7 @@ class AsyncEngine:
                 self._send(out.request_id, out)
             self._snapshot = self.engine.snapshot()
         self._fail_all(EngineDeadError("the server is shutting down"))
+        self.engine.close()  # the tiers' pending writes reach their stores
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.seqs):

@@ -9,6 +9,7 @@ sharing the most of its tokens, and starts computing after the shared ones.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 from radix import OutOfBlocks, RadixCache
@@ -25,19 +26,28 @@ def approximate_namespace(namespace: bytes, setting: str) -> bytes:
     return namespace + APPROXIMATE + setting.encode()
 
 
+@dataclass
+class Admission:
+    """What the caches served an admitted sequence."""
+
+    cached_tokens: int  # prompt tokens not to compute: the device's match and blocks loaded from tiers
+    by_tier: dict[str, int] = field(default_factory=dict)  # of those, the tokens each tier below the pool gave
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
 class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
-                 copy_blocks: Callable[[list[int], list[int]], None] | None = None) -> None:
+                 copy_blocks: Callable[[list[int], list[int]], None] | None = None, tiers=None) -> None:
         """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
-        accounting alone)."""
+        accounting alone). tiers: the KV tiers below the pool (tiers.KVTiers), if any."""
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_blocks = copy_blocks
+        self.tiers = tiers
 
     @staticmethod
     def publish_namespace(seq: Sequence) -> bytes:
@@ -90,16 +100,22 @@ class BlockManager:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
-    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_namespace: bytes | None = None) -> int | None:
-        """Match seq's prefix, lock it, and allocate blocks for the first chunk. Returns the prompt tokens the
-        cache served, or None (nothing held) if the pool cannot take it now. With an approximate_namespace
-        (the request accepts blending with that setting) the prefix may also come from an earlier sequence
-        blended the same way."""
+    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_namespace: bytes | None = None,
+              fill_holes: bool = True) -> Admission | None:
+        """Match seq's prefix, lock it, and allocate blocks for the first chunk. Returns what the caches
+        served, or None (nothing held) if the pool cannot take it now. With tiers, the blocks continuing the
+        device's chain are pulled up first, and (fill_holes) blocks after a block no tier holds are loaded
+        into seq's own blocks: only the hole is computed. With an approximate_namespace (the request accepts
+        blending with that setting) the prefix may also come from an earlier sequence blended the same way."""
         kv = seq.kv
         assert not kv.block_table and kv.node is None
         partial = None
+        by_tier: dict[str, int] = {}
+        found: dict = {}
         if self._caches(seq):
             tokens = self._matchable(seq)
+            if self.tiers is not None:
+                by_tier = self.tiers.pull(self.cache, tokens, seq.namespace)
             match = self.cache.match(tokens, seq.namespace, record_stats=False)
             namespace = seq.namespace
             kv.approximate_namespace = approximate_namespace or b""
@@ -113,6 +129,8 @@ class BlockManager:
             kv.block_table = list(match.block_ids)
             kv.num_computed = match.num_tokens
             kv.num_published = len(match.block_ids)
+            if self.tiers is not None and fill_holes and not kv.approximate and approximate_namespace is None:
+                found = self._after_hole(seq, len(match.block_ids))
             if match.num_tokens and self._reuses_partial_blocks(seq):
                 # The prompt leaves the cached chain inside a block: copy the cached block that shares
                 # the most of its tokens and compute only from the divergence on. Not at the very start:
@@ -122,9 +140,9 @@ class BlockManager:
             if partial is not None:
                 self.cache.lock(partial.node)  # the allocation below must not evict it before the copy
                 kv.num_computed += partial.num_tokens
-        hit = kv.num_computed
         chunk = min(first_chunk_tokens, seq.num_tokens - kv.num_computed)
-        admitted = self.ensure_capacity(seq, kv.num_computed + chunk)
+        end = max(kv.num_computed + chunk, (max(found) + 1) * self.block_size if found else 0)
+        admitted = self.ensure_capacity(seq, end)
         if partial is not None:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
                 self.copy_blocks([partial.block_id], [kv.block_table[kv.num_published]])
@@ -132,7 +150,30 @@ class BlockManager:
         if not admitted:
             self.release(seq)
             return None
-        return hit
+        if found:
+            indices = sorted(found)
+            self.tiers.load([kv.block_table[i] for i in indices], [found[i].entry for i in indices])
+            kv.filled = set(indices)
+            for f in found.values():
+                by_tier[f.tier] = by_tier.get(f.tier, 0) + self.block_size
+        return Admission(kv.num_computed + len(found) * self.block_size, by_tier)
+
+    def _after_hole(self, seq: Sequence, first_missing: int) -> dict:
+        """Blocks of seq's prompt after its first block that no cache holds, found in the tiers: {block
+        index: tiers.Found}."""
+        hashes = self.prompt_hashes(seq)
+        if first_missing + 1 >= len(hashes):
+            return {}
+        wanted = self.tiers.wanted(self.cache.hasher, seq.prompt_ids, hashes, seq.namespace, first_missing + 1)
+        return self.tiers.fetch(wanted, contiguous=False)
+
+    def computable(self, seq: Sequence) -> int:
+        """Tokens seq can compute next: up to its next block already filled from a tier, or to its end."""
+        kv = seq.kv
+        stop = seq.num_tokens
+        if kv.filled:
+            stop = min(stop, min(kv.filled) * self.block_size)
+        return stop - kv.num_computed
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens positions. False (and nothing taken) if it cannot."""
@@ -149,8 +190,13 @@ class BlockManager:
         return True
 
     def advance(self, seq: Sequence, num_tokens: int) -> None:
-        """The step computed seq's next num_tokens tokens: count them and publish its full blocks."""
-        seq.kv.num_computed += num_tokens
+        """The step computed seq's next num_tokens tokens: count them (and the blocks filled from a tier that
+        now follow them) and publish its full blocks."""
+        kv = seq.kv
+        kv.num_computed += num_tokens
+        while kv.filled and kv.num_computed % self.block_size == 0 and kv.num_computed // self.block_size in kv.filled:
+            kv.filled.discard(kv.num_computed // self.block_size)
+            kv.num_computed += self.block_size
         self.publish(seq)
 
     def publish(self, seq: Sequence) -> None:

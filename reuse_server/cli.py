@@ -176,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hash that names KV blocks by their token prefix")
     serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
                        help="which cached blocks to drop first when the pool is full")
+    tiers = serve.add_argument_group(
+        "KV tiers", "Where blocks go when the device pool evicts them, and where a prompt's missing blocks are "
+        "looked for (host RAM, then disk, then Redis). Off unless given.")
+    tiers.add_argument("--cpu-cache-size", type=parse_size, default=0, metavar="SIZE",
+                       help="host RAM for blocks evicted from the device pool, e.g. 4GB (default: off)")
+    tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="keep blocks in files under DIR, surviving restarts (default: off)")
+    tiers.add_argument("--disk-cache-size", type=parse_size, default="10GB", metavar="SIZE",
+                       help="disk space for those files; the least recently used go first")
+    tiers.add_argument("--disk-write-policy", default=defaults.disk_write_policy, choices=["through", "back"],
+                       help="through: every new full block is written to disk; back: only what host RAM evicts")
+    tiers.add_argument("--redis-url", default=None, metavar="URL",
+                       help="share blocks with other servers on the same model through Redis or Valkey, e.g. "
+                            "redis://127.0.0.1:6379/0 (run it with --save '' --appendonly no --maxmemory ... "
+                            "--maxmemory-policy allkeys-lru) (default: off)")
+    tiers.add_argument("--redis-timeout", type=non_negative_float, default=defaults.redis_timeout, metavar="SECONDS",
+                       help="a Redis call taking longer counts as a miss")
     blend = serve.add_argument_group(
         "blending", "Non-prefix KV reuse (CacheBlend): chunks of a prompt (chat messages and text parts, "
         "--blend-separator pieces, POST /v1/cache/chunks documents) reuse cached KV wherever they appear; "
@@ -255,6 +272,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         dedup_prefill=not args.no_prefill_dedup,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
+        cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
+        disk_write_policy=args.disk_write_policy, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,

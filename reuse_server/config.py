@@ -41,6 +41,13 @@ class EngineConfig:
     dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
     hash_algo: str = "xxh3_128"
     eviction_policy: str = "lru"
+    # KV tiers below the device pool (all off by default)
+    cpu_cache_size: int = 0  # bytes of host RAM for blocks evicted from the pool
+    disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
+    disk_cache_size: int = 10 * 1000**3  # bytes of disk for them
+    disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
+    redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
+    redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss
     # non-prefix reuse (blending)
     enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
     blend_recompute_ratio: float = 0.15
@@ -83,6 +90,10 @@ class EngineConfig:
         if len(self.blend_gradual_factors) != len(self.blend_check_layers):
             problems.append(f"blend_gradual_factors has {len(self.blend_gradual_factors)} values but "
                             f"blend_check_layers has {len(self.blend_check_layers)} layers")
+        if self.disk_write_policy not in ("through", "back"):
+            problems.append(f"unknown disk write policy {self.disk_write_policy!r}; choose through or back")
+        if self.cpu_cache_size < 0 or self.disk_cache_size < 1 or self.redis_timeout <= 0:
+            problems.append("tier sizes and the Redis timeout must be positive")
         if self.blend_score not in ("k", "v", "kv"):
             problems.append(f"unknown blend_score {self.blend_score!r}; choose k, v or kv")
         if problems:

@@ -37,6 +37,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.sampler = parts.sampler
+        self.tiers = parts.tiers
         mc = self.model_config
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -124,12 +125,26 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        outputs = []
         for c in chunks:
-            if c.admitted_hit is not None and c.seq.usage.cached_tokens is None:
-                c.seq.usage.cached_tokens = c.admitted_hit
+            usage = c.seq.usage
+            if c.admission is not None and usage.cached_tokens is None:
+                usage.cached_tokens = c.admission.cached_tokens
+                usage.tier_tokens = dict(c.admission.by_tier)
+            if c.seq.cache.prefetch_only:  # admitted: its blocks are up in the pool; nothing to compute
+                c.seq.finish_reason = "stop"
+                outputs.append(self._finish(c.seq, [], ""))
+        chunks = [c for c in chunks if c.num_tokens]
+        if not chunks:
+            return outputs
         want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in chunks]
+        start = time.perf_counter()
         logits = self._forward(chunks, want)  # a row per chunk that wants one, in order
-        outputs, pending, row = [], [], -1
+        if self.tiers is not None:  # the prefill rate, against which tier fetches are weighed
+            prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+            if prefill:
+                self.tiers.observe_prefill(prefill, time.perf_counter() - start)
+        pending, row = [], -1
         for c, w in zip(chunks, want):
             seq = c.seq
             self.blocks.advance(seq, c.num_tokens)
@@ -240,7 +255,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids), cached_tokens=usage.cached_tokens or 0,
             blended_tokens=usage.blended_tokens, recomputed_tokens=usage.recomputed_tokens, logprobs=lp,
-            chunk_tokens_stored=usage.chunk_tokens_stored, chunk_tokens_present=usage.chunk_tokens_present)
+            chunk_tokens_stored=usage.chunk_tokens_stored, chunk_tokens_present=usage.chunk_tokens_present,
+            tier_tokens=dict(usage.tier_tokens))
 
     # ---- observability --------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -250,6 +266,32 @@ class LLMEngine:
             free_blocks=stats.free_blocks, evictable_blocks=stats.evictable_blocks,
             in_use_blocks=stats.in_use_blocks, total_blocks=stats.total_blocks,
             evicted_blocks=stats.evicted_blocks, preemptions=self.scheduler.num_preemptions,
+            tiers=self.tiers.snapshot() if self.tiers is not None else {},
+            memory=self.memory(stats),
             **self.counters,
         )
+
+    def memory(self, stats) -> dict:
+        """What the pool's memory holds now: cached blocks and their tokens, the blocks running requests
+        own and the tokens in them, and the slots that hold nothing (partly filled last blocks, blocks taken
+        for a chunk not yet computed)."""
+        bs = self.kv.block_size
+        owned_blocks = owned_tokens = 0
+        for seq in self.seqs.values():
+            kv = seq.kv
+            owned_blocks += len(kv.owned)
+            owned_tokens += max(0, kv.num_computed - kv.num_published * bs) + len(kv.filled) * bs
+        per_block = self.kv.layout.nbytes
+        held = stats.cached_tokens + owned_tokens
+        return dict(
+            kv_dtype=str(self.kv.dtype).removeprefix("torch."), block_size=bs, bytes_per_block=per_block,
+            pool_bytes=self.kv.nbytes, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
+            cached_blocks=stats.cached_blocks, cached_tokens=stats.cached_tokens,
+            sequence_blocks=owned_blocks, sequence_tokens=owned_tokens, held_tokens=held,
+            empty_slots=(stats.cached_blocks + owned_blocks) * bs - held,
+        )
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Flush what the tiers still have to write (up to `timeout` seconds) and stop their writers."""
+        return self.tiers.close(timeout) if self.tiers is not None else True
 

@@ -27,6 +27,7 @@ from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.runner import ModelRunner
 from reuse_server.sampler import Sampler
 from reuse_server.scheduler import Scheduler
+from reuse_server.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     sampler: Sampler
+    tiers: KVTiers | None
 
 
 def build_engine(config: EngineConfig):
@@ -80,10 +82,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
     kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device)
+    tiers = build_tiers(config, kv, identity)
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
-                       policy=config.eviction_policy)
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks)
-    chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
+                       policy=config.eviction_policy, listener=tiers)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks, tiers)
+    chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens,
+                             pull=tiers.pull if tiers is not None else None)
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
@@ -100,11 +104,24 @@ def build_parts(config: EngineConfig) -> EngineParts:
         attention_kernel=attention_kernel,
         max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
         kv=kv, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
-        runner=ModelRunner(model, kv, config.device), sampler=Sampler())
+        runner=ModelRunner(model, kv, config.device), sampler=Sampler(), tiers=tiers)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens (%.0f MiB)", identity.short, num_blocks, bs,
              kv.nbytes / 2**20)
     _return_freed_memory()
     return parts
+
+
+def build_tiers(config: EngineConfig, kv: KVPool, identity: ModelFingerprint) -> KVTiers | None:
+    """The tiers the config asks for below the pool (None: none)."""
+    if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
+        return None
+    ctx = BlobContext(fingerprint=identity.identity.hex(), block_size=kv.block_size, hash_algo=identity.hash_algo,
+                      layout=kv.layout.describe(), kv_bytes=kv.layout.nbytes)
+    host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
+    disk = DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx) if config.disk_cache_dir else None
+    remote = RedisTier(config.redis_url, ctx, timeout=config.redis_timeout) if config.redis_url else None
+    log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
+    return KVTiers(kv, host, disk, remote, config.disk_write_policy)
 
 
 def default_model_id(model: str | None) -> str:

@@ -38,6 +38,51 @@ class _SnapshotCollector:
         yield GaugeMetricFamily("kvreuse_requests_running", "Requests being decoded or prefilled.",
                                 value=snap["running"])
         yield GaugeMetricFamily("kvreuse_requests_waiting", "Requests queued for admission.", value=snap["waiting"])
+        memory = snap.get("memory")
+        if memory:
+            yield GaugeMetricFamily("kvreuse_kv_pool_bytes", "Bytes of the device KV pool.", value=memory["pool_bytes"])
+            held = GaugeMetricFamily("kvreuse_kv_tokens", "Tokens whose KV the pool holds, by holder.",
+                                     labels=["holder"])
+            held.add_metric(["cached"], memory["cached_tokens"])
+            held.add_metric(["sequences"], memory["sequence_tokens"])
+            yield held
+            yield GaugeMetricFamily("kvreuse_kv_empty_slots", "Allocated KV slots holding no token (partly filled "
+                                    "last blocks, blocks taken for a chunk not yet computed).", value=memory["empty_slots"])
+        yield from _tier_metrics(snap.get("tiers") or {})
+
+
+# tier stats key -> (metric name without _total, help)
+TIER_COUNTERS = {
+    "queries": ("kvreuse_tier_queries", "Blocks looked up in a tier below the device pool."),
+    "hits": ("kvreuse_tier_hits", "Blocks found in a tier and loaded into the device pool."),
+    "declined": ("kvreuse_tier_declined", "Blocks found in a tier but recomputed: measured cheaper than fetching."),
+    "read_bytes": ("kvreuse_tier_read_bytes", "Bytes read from a tier."),
+    "read_seconds": ("kvreuse_tier_read_seconds", "Seconds spent reading from a tier."),
+    "written": ("kvreuse_tier_written_blocks", "Blocks stored in a tier."),
+    "written_bytes": ("kvreuse_tier_written_bytes", "Bytes written to a tier."),
+    "write_seconds": ("kvreuse_tier_write_seconds", "Seconds spent writing to a tier."),
+    "dropped_writes": ("kvreuse_tier_dropped_writes", "Blocks not stored: write queue full or tier unavailable."),
+    "corrupt": ("kvreuse_tier_corrupt_blocks", "Blocks found damaged, foreign or holding other tokens: deleted."),
+    "errors": ("kvreuse_tier_errors", "Failed tier operations (I/O errors, Redis not answering)."),
+}
+
+
+def _tier_metrics(tiers: dict):
+    if not tiers:
+        return
+    for key, (name, doc) in TIER_COUNTERS.items():
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, stats in tiers.items():
+            family.add_metric([tier], stats[key])
+        yield family
+    for key, name, doc in (("blocks", "kvreuse_tier_blocks", "Blocks held by a tier."),
+                           ("bytes", "kvreuse_tier_bytes", "Bytes held by a tier (local tiers)."),
+                           ("write_queue_bytes", "kvreuse_tier_write_queue_bytes", "Bytes waiting to be written.")):
+        family = GaugeMetricFamily(name, doc, labels=["tier"])
+        for tier, stats in tiers.items():
+            if stats.get(key) is not None:
+                family.add_metric([tier], stats[key])
+        yield family
 
 
 class ServerMetrics:

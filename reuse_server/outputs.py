@@ -27,3 +27,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     chunk_tokens_stored: int = 0  # precompute requests: tokens newly filed in the chunk index
     chunk_tokens_present: int = 0  # ... and tokens of chunks that were already there
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of cached_tokens, those from host/disk/redis

@@ -93,6 +93,7 @@ class CacheOptions:
     # separator-delimited piece): what the chunk index registers and looks up
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)
     precompute_only: bool = False  # compute the prompt, register its chunks, generate nothing
+    prefetch_only: bool = False  # pull the prompt's cached blocks up to the device pool, compute nothing
 
     @property
     def namespace(self) -> bytes:

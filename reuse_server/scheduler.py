@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from reuse_server.block_manager import BlockManager
+from reuse_server.block_manager import Admission, BlockManager
 from reuse_server.sequence import SeqStatus, Sequence
 
 CACHE_AWARE_QUEUE_LIMIT = 128  # beyond this, matching every waiting prompt each step costs too much: FCFS
@@ -28,7 +28,7 @@ MAX_SKIPS = 8
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed
-    admitted_hit: int | None = None  # admitted this step: the prompt tokens the cache served
+    admission: Admission | None = None  # admitted this step: what the caches served
 
 
 class Scheduler:
@@ -80,7 +80,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(self.blocks.computable(seq), budget)
             while not self.blocks.ensure_capacity(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -103,8 +103,11 @@ class Scheduler:
             if (in_flight and not blends
                     and self.blocks.next_uncached_block(seq, cached.get(id(seq))) in in_flight):
                 continue  # another request is computing its next block: hit it next step instead
-            hit = self.blocks.admit(seq, budget, self.blender.approximate_namespace(seq) if blends else None)
-            if hit is None:
+            prefetch = seq.cache.prefetch_only
+            admission = self.blocks.admit(seq, 0 if prefetch else budget,
+                                          self.blender.approximate_namespace(seq) if blends else None,
+                                          fill_holes=not prefetch)
+            if admission is None:
                 break  # the pool is full: wait for blocks to come back
             if blends and not self.blender.admit(seq):
                 self.blocks.release(seq)
@@ -112,8 +115,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.queue.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            batch.append(ScheduledChunk(seq, n, hit))
+            n = 0 if prefetch else min(self.blocks.computable(seq), budget)
+            batch.append(ScheduledChunk(seq, n, admission))
             budget -= n
             if in_flight is not None and (key := self._block_in_flight(seq)) is not None:
                 in_flight.add(key)

@@ -29,7 +29,8 @@ class KVState:
     block_table: list[int] = field(default_factory=list)
     owned: set[int] = field(default_factory=set)
     node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
-    num_computed: int = 0  # tokens whose KV is in the pool
+    num_computed: int = 0  # tokens whose KV is in the pool, from position 0 without a gap
+    filled: set[int] = field(default_factory=set)  # later block indices already loaded from a tier (after a hole)
     num_published: int = 0  # leading full blocks handed to the radix tree
     approximate: bool = False  # KV derived from blending: filed under `approximate_namespace`
     approximate_namespace: bytes = b""  # where this sequence's blended KV is filed (one per blending setting)
@@ -52,6 +53,7 @@ class Usage:
     cost, not the client's hit."""
 
     cached_tokens: int | None = None  # prompt tokens not computed from scratch (prefix hits + blended)
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, loaded from each tier below the pool
     blended_tokens: int = 0  # reused from the chunk index and not recomputed
     recomputed_tokens: int = 0  # reused from the chunk index but recomputed by selection
     counted: bool = False  # added to the engine's counters

@@ -230,6 +230,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         s = self.cache.stats()
         assert s.free_blocks + s.evictable_blocks + s.in_use_blocks == s.total_blocks
         assert s.cached_blocks == len(self.all_blocks())
+        assert s.cached_tokens == len(self.holds) * BS + sum(len(t) % BS for _, t in self.tails.values())
         assert set(self.reported) == set(self.all_blocks()), "the events disagree with the tree's blocks"
         assert s.in_use_blocks >= len(self.owned) + len({b for _, ids in self.locks for b in ids})
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from reuse_server.api.errors import ClientDisconnected, ModelNotFound, error_body
-from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, Usage
+from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
 from reuse_server.outputs import RequestOutput
 from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
 
@@ -98,7 +98,7 @@ def usage_from(lasts: list[RequestOutput]) -> Usage:
         total_tokens=computed.num_prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=computed.cached_tokens, blended_tokens=computed.blended_tokens,
-            recomputed_tokens=computed.recomputed_tokens),
+            recomputed_tokens=computed.recomputed_tokens, tier_tokens=TierTokens(**computed.tier_tokens)),
     )
 
 

@@ -162,13 +162,44 @@ class CacheChunksRequest(BaseModel):
     _valid_unicode = model_validator(mode="before")(_check_unicode)
 
 
+class CachePrefetchRequest(BaseModel):
+    """POST /v1/cache/prefetch: pull a prompt's cached blocks up to the device pool ahead of the request that
+    will use them. Exactly one of `prompt` (as /v1/completions takes it) or `messages` (as chat takes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None
+
+    _valid_unicode = model_validator(mode="before")(_check_unicode)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CachePrefetchRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
 # ---------------------------------------------------------------- responses
+
+
+class TierTokens(BaseModel):
+    """Of the cached tokens, those loaded from each tier below the device pool (the rest were resident)."""
+
+    host: int = 0
+    disk: int = 0
+    redis: int = 0
 
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     blended_tokens: int = 0
     recomputed_tokens: int = 0
+    tier_tokens: TierTokens = Field(default_factory=TierTokens)
 
 
 class Usage(BaseModel):
@@ -289,6 +320,14 @@ class CachedChunk(BaseModel):
     stored_tokens: int  # newly filed in the chunk index by this call
     already_cached: bool
     skipped: str | None = Field(None, exclude_if=_drop_if_none)  # why nothing was stored, if so
+
+
+class CachePrefetchResponse(BaseModel):
+    object: Literal["cache.prefetch"] = "cache.prefetch"
+    model: str
+    prompt_tokens: int
+    resident_tokens: int  # prompt tokens whose KV is now in the device pool
+    tier_tokens: TierTokens  # of those, pulled up from each tier by this call
 
 
 class CacheChunksResponse(BaseModel):

@@ -8,11 +8,13 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from reuse_server.api.cache_chunks import precompute_chunks
+from reuse_server.api.cache_prefetch import prefetch
+from reuse_server.api.cache_stats import cache_stats
 from reuse_server.api.chat import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import ClientDisconnected, ModelNotFound, internal_error
-from reuse_server.api.protocol import (CacheChunksRequest, ChatCompletionRequest, CompletionRequest, ModelCard,
-                                       ModelList)
+from reuse_server.api.protocol import (CacheChunksRequest, CachePrefetchRequest, ChatCompletionRequest,
+                                       CompletionRequest, ModelCard, ModelList)
 from reuse_server.sampling_params import InvalidRequest
 
 router = APIRouter()
@@ -49,6 +51,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.post("/v1/cache/chunks")
 async def cache_chunks(body: CacheChunksRequest, request: Request) -> Response:
     return await _answer(precompute_chunks, body, request)
+
+
+@router.post("/v1/cache/prefetch")
+async def cache_prefetch(body: CachePrefetchRequest, request: Request) -> Response:
+    return await _answer(prefetch, body, request)
+
+
+@router.get("/v1/cache/stats")
+async def stats(request: Request) -> Response:
+    return Response(cache_stats(request.app.state.engine), media_type="application/json")
 
 
 async def _answer(handler, body, request: Request) -> Response:

@@ -1,0 +1,18 @@
+"""GET /v1/cache/stats: what the KV cache holds, measured: the device pool's blocks and the tokens actually
+in them (a block is allocated whole; the empty slots of partly filled last blocks are waste), cached vs in
+use, and each tier below the pool."""
+from __future__ import annotations
+
+import json
+
+
+def cache_stats(engine) -> str:
+    snap = engine.snapshot()
+    return json.dumps({
+        "object": "cache.stats",
+        "model": engine.model_id,
+        "device": {**snap["memory"], "evictable_blocks": snap["evictable_blocks"],
+                   "in_use_blocks": snap["in_use_blocks"], "evicted_blocks": snap["evicted_blocks"]},
+        "tiers": snap["tiers"],
+        "requests": {"running": snap["running"], "waiting": snap["waiting"]},
+    })
