@@ -61,3 +61,36 @@ def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0
 
 def _tail(log_path: Path, chars: int = 3000) -> str:
     return Path(log_path).read_text()[-chars:]
+
+
+@contextmanager
+def redis_process(port: int | None = None, maxmemory: str = "1gb") -> Iterator[tuple[str, subprocess.Popen]]:
+    """A local redis-server (Debian's `redis-server` on PATH) on a free loopback port, run as the README tells
+    users to run it for the KV tier: no persistence, an LRU memory bound. Yields (URL, process)."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ServerStartError("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = port or free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise ServerStartError(f"redis-server on port {port} did not come up") from None
+                time.sleep(0.05)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
