@@ -157,6 +157,11 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """The server is stopping and every request has ended (AsyncEngine calls this last, on the engine
+        thread). The extension point for work that must finish before exit, such as flushing KV tier writes;
+        the GPU pool itself needs none."""
+
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         chunks = self.scheduler.schedule()

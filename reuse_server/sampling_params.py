@@ -86,7 +86,9 @@ class CacheOptions:
     """Per-request cache controls (request body extensions)."""
 
     prefix_cache: bool = True  # False: neither read nor write the prefix cache (a baseline)
-    cache_salt: str | None = None  # tenant isolation: salted requests share blocks only with the same salt
+    cache_salt: str | None = None  # salted requests share blocks only with the same salt (and tenant)
+    # the API key's tenant (api/auth.py: a fixed-length digest, never the key): its own cache namespace
+    tenant: str | None = None
     blend: bool | None = None  # None: server default
     recompute_ratio: float | None = None  # None: server default
     # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a

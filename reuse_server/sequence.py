@@ -68,4 +68,7 @@ class Sequence:
 
     @property
     def extra_key(self) -> bytes:
-        return self.cache.cache_salt.encode() if self.cache.cache_salt else b""
+        # The namespace folded into block hashes: tenant, then salt. Tenant ids all have one length, so
+        # (tenant, salt) pairs never collide; without API keys there is no tenant and the key is as before.
+        tenant = self.cache.tenant.encode() if self.cache.tenant else b""
+        return tenant + (self.cache.cache_salt.encode() if self.cache.cache_salt else b"")
