@@ -226,13 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/v1/completions: split a text prompt into reusable chunks at this string, "
                             "which is removed (default: none; the prompt is one piece)")
     service = serve.add_argument_group("service", "Keys, load limits and shutdown.")
-    service.add_argument("--api-key", dest="api_keys", action="append", default=[], metavar="KEY",
-                         help="a key clients must send as 'Authorization: Bearer KEY' on /v1 routes (repeatable); "
-                              "each key is its own cache namespace (tenant). Default: no keys, open routes")
+    service.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                         help="a key clients must send as 'Authorization: Bearer KEY' on /v1 routes (repeatable; "
+                              "visible in the process list, --api-key-file is not); each key is its own cache "
+                              "namespace (tenant) (default: none, the routes are open)")
     service.add_argument("--api-key-file", metavar="FILE",
                          help="read more keys from FILE, one a line ('#' lines and blank lines skipped)")
-    service.add_argument("--admin-api-key", dest="admin_api_keys", action="append", default=[], metavar="KEY",
-                         help="a key /metrics requires (repeatable). Default: /metrics is open")
+    service.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
+                         help="a key /metrics requires (repeatable) (default: none, /metrics is open)")
     service.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
                          help="most requests waiting to be scheduled (each choice of n counts); past it, "
                               "429 with Retry-After")
@@ -277,19 +278,19 @@ def tenant_keys(args: argparse.Namespace) -> list[str]:
     """--api-key values and the lines of --api-key-file; raises OSError for an unreadable file."""
     from reuse_server.api.auth import read_key_file
 
-    return list(args.api_keys) + (read_key_file(args.api_key_file) if args.api_key_file else [])
+    return list(args.api_keys or []) + (read_key_file(args.api_key_file) if args.api_key_file else [])
 
 
 def key_flags_problem(args: argparse.Namespace) -> str | None:
     """A key flag that would leave the server less protected than asked (an empty key, a file without keys)."""
-    if any(not key.strip() for key in args.api_keys + args.admin_api_keys):
+    if any(not key.strip() for key in (args.api_keys or []) + (args.admin_api_keys or [])):
         return "an API key must not be empty"
     if args.api_key_file:
         try:
-            tenant_keys(args)
+            from_file = tenant_keys(args)[len(args.api_keys or []):]
         except (OSError, UnicodeDecodeError) as exc:
             return f"could not read --api-key-file: {exc}"
-        if not tenant_keys(args)[len(args.api_keys):]:
+        if not from_file:
             return f"--api-key-file {args.api_key_file} holds no keys"
     return None
 
@@ -305,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from reuse_server.api.auth import ApiKeys
 
-    keys = ApiKeys(tenant_keys(args), args.admin_api_keys)
+    keys = ApiKeys(tenant_keys(args), args.admin_api_keys or [])
     try:
         engine = AsyncEngine.launch(engine_config(args), max_waiting=args.max_waiting)
     except Exception as exc:  # any load failure is reported as one line; --log-level debug shows the traceback
