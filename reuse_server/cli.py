@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "429 with Retry-After")
     service.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                          help="abort a request this long after it arrived and answer 408 (a stream ends with "
-                              "an error event). Default: no limit")
+                              "an error event) (default: none, no limit)")
     service.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                          help="on SIGTERM, refuse new requests (503) and let those in flight finish for this long, "
                               "then abort the rest and exit 0")
