@@ -5,6 +5,7 @@ body). Hypothesis prints how to reproduce a failing case (its seed).
 
 (schemathesis's pytest plugin cannot resolve a fixture under this pytest, so each route's strategy is drawn
 with hypothesis directly.)"""
+import json
 import time
 
 import pytest
@@ -15,13 +16,33 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
 
+from reuse_server.api.protocol import ChatCompletionChunk, CompletionResponse, ErrorResponse
 from server_process import running_server
 
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks")]
 CASES = {"POST": 80, "GET": 15}  # per route: 285 in all, about half of them schema-invalid
+CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
+
+
+def sse_events_are_chunks_then_done(ctx, response, case) -> None:
+    """What the schema can only say in words about a stream: every event is a chunk of the route's shape, an
+    error may come last before [DONE], and [DONE] ends it."""
+    if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        return
+    frames = response.content.decode().split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]", frames[-3:]
+    events = [frame.removeprefix("data: ") for frame in frames[:-2]]
+    assert all(frame.startswith("data: ") for frame in frames[:-1])
+    for i, event in enumerate(events):
+        if i == len(events) - 1 and '"error"' in event and "error" in json.loads(event):
+            ErrorResponse.model_validate_json(event)
+        else:
+            CHUNK_MODELS[case.operation.path].model_validate_json(event)
+
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+          response_headers_conformance, sse_events_are_chunks_then_done]
 
 
 @pytest.fixture(scope="module")

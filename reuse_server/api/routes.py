@@ -39,8 +39,10 @@ _ERRORS = {
     500: _error("An internal error."),
     503: {**_error("The server is shutting down, or its engine has stopped."), "headers": _RETRY_AFTER},
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string"},
-                              "example": "data: {...}\n\ndata: [DONE]\n\n"}}
+# One event of the stream (OpenAPI 3.1 describes a text/event-stream by its events): its data is a JSON chunk
+# (the completion's shape, object "chat.completion.chunk" or "text_completion"), an error object, or [DONE].
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                         "properties": {"data": {"type": "string"}}}}}
 
 
 def _generation(model) -> dict:
