@@ -10,7 +10,9 @@ import httpx
 import openai
 import pytest
 
+from fault_injection import FAULT, launch_faulty
 from inprocess_server import serving
+from reuse_server.config import EngineConfig
 from server_process import metric, running_server, scrape, wait_idle
 
 MODEL = "tiny"
@@ -135,27 +137,8 @@ def test_the_event_loop_answers_while_a_huge_prompt_is_tokenized(queue_server):
 
 @pytest.fixture
 def faulty_engine(tiny_llama_path):
-    """An engine whose model runner raises once `fault` is set, as a device error would."""
-    from reuse_server.async_engine import AsyncEngine
-    from reuse_server.config import EngineConfig
-    from reuse_server.engine import LLMEngine
-
-    fault = threading.Event()
-
-    def build():
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_path), served_model_name=MODEL, block_size=4,
-                                        num_gpu_blocks=2048))
-        run_step = engine.runner.run
-
-        def run_or_fail(*args, **kwargs):
-            if fault.is_set():
-                raise RuntimeError("injected device fault")
-            return run_step(*args, **kwargs)
-
-        engine.runner.run = run_or_fail
-        return engine
-
-    return AsyncEngine.launch(build), fault
+    return launch_faulty(EngineConfig(model=str(tiny_llama_path), served_model_name=MODEL, block_size=4,
+                                      num_gpu_blocks=2048))
 
 
 def test_a_dead_engine_is_visible_and_nothing_hangs(faulty_engine):
@@ -167,15 +150,15 @@ def test_a_dead_engine_is_visible_and_nothing_hangs(faulty_engine):
             next(line for line in lines if line.startswith("data: "))
             fault.set()
             rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "[DONE]" and "injected device fault" in json.loads(rest[-2])["error"]["message"]
+        assert rest[-1] == "[DONE]" and FAULT in json.loads(rest[-2])["error"]["message"]
 
         health = httpx.get(url + "/health")
         assert health.status_code == 503
-        assert health.json()["status"] == "dead" and "injected device fault" in health.json()["reason"]
+        assert health.json()["status"] == "dead" and FAULT in health.json()["reason"]
         for path, body in [("/v1/completions", {"model": MODEL, "prompt": "hi"}),
                            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
                            ("/v1/cache/chunks", {"chunks": ["a document"]})]:
             r = httpx.post(url + path, json=body, timeout=10)
             assert r.status_code == 503, (path, r.text)
             error = _error(r)
-            assert error["type"] == "server_error" and "injected device fault" in error["message"]
+            assert error["type"] == "server_error" and FAULT in error["message"]

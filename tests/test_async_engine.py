@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from fault_injection import FAULT, launch_faulty
 from reuse_server.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from reuse_server.config import EngineConfig
 from reuse_server.sampling_params import SamplingParams
@@ -130,23 +131,7 @@ def test_a_deadline_aborts_the_request_and_frees_its_blocks(tiny_llama_path):
 def test_a_failed_step_makes_the_engine_dead_not_hung(tiny_llama_path):
     """A fault injected where the model runs (as a device error would surface): the request in flight fails,
     new requests are refused with the reason, and nothing waits forever."""
-    from reuse_server.engine import LLMEngine
-
-    fault = threading.Event()
-
-    def build():
-        engine = LLMEngine(_config(tiny_llama_path))
-        run_step = engine.runner.run
-
-        def run_or_fail(*args, **kwargs):
-            if fault.is_set():
-                raise RuntimeError("injected device fault")
-            return run_step(*args, **kwargs)
-
-        engine.runner.run = run_or_fail
-        return engine
-
-    engine = AsyncEngine.launch(build)
+    engine, fault = launch_faulty(_config(tiny_llama_path))
 
     async def run():
         await engine.start()
@@ -155,9 +140,9 @@ def test_a_failed_step_makes_the_engine_dead_not_hung(tiny_llama_path):
         queued = engine.generate("queued", list(range(3, 12)), LONG)
         fault.set()
         for s in (stream, queued):
-            with pytest.raises(EngineDeadError, match="injected device fault"):
+            with pytest.raises(EngineDeadError, match=FAULT):
                 await asyncio.wait_for(_drain(s), 10)
-        assert "injected device fault" in engine.unavailable_reason()
+        assert FAULT in engine.unavailable_reason()
         with pytest.raises(EngineDeadError):
             engine.admit(1)
         with pytest.raises(EngineDeadError):

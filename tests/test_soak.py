@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     checkpoint = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-4-layers"), arch="llama", num_layers=4)
     log_path = tmp_path_factory.mktemp("soak") / "server.log"
     with running_server(checkpoint, log_path, "--block-size", "4", "--num-gpu-blocks", str(NUM_BLOCKS),
-                        "--max-model-len", "1024", "--max-num-seqs", "8", "--blend", "--blend-min-tokens", "8",
+                        "--max-model-len", "2048", "--max-num-seqs", "8", "--blend", "--blend-min-tokens", "8",
                         served_name=MODEL) as url:
         yield url
 
@@ -33,7 +33,7 @@ def test_soak_leaves_no_block_no_lock_and_the_same_answers(server):
     seed = int(os.environ.get("SOAK_SEED", random.randrange(1 << 30)))
     print(f"soak seed {seed}")
     before = probe(server, MODEL)
-    result = run_soak(server, MODEL, DURATION_S, CLIENTS, seed)
+    result = run_soak(server, MODEL, DURATION_S, CLIENTS, seed, max_prompt_words=150)
     print("soak", result.summary())
     assert not result.errors, result.errors[:5]
     assert result.completed > 100 and result.disconnects > 10
