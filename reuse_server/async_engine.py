@@ -28,8 +28,7 @@ from typing import Callable
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
 from reuse_server.outputs import RequestOutput
-from reuse_server.request_errors import (EngineDeadError, EngineUnavailable, QueueFull,  # noqa: F401
-                                          RequestTimedOut, ServerDraining)
+from reuse_server.request_errors import EngineDeadError, QueueFull, RequestTimedOut, ServerDraining
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 
 log = logging.getLogger(__name__)

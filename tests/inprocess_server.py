@@ -4,7 +4,6 @@ import threading
 import time
 from contextlib import contextmanager
 
-import httpx
 import uvicorn
 
 from reuse_server.api.app import create_app
@@ -13,7 +12,7 @@ from reuse_server.launcher import free_port
 
 @contextmanager
 def serving(engine, settings=None):
-    """Yields the base URL once /health answers; stops the server (and the engine, by the app's lifespan)."""
+    """Yields the base URL once the server listens; stops it (and the engine, by the app's lifespan)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, settings=settings), host="127.0.0.1", port=port,
                                            log_level="warning"))
