@@ -17,9 +17,9 @@ from reuse_server.sampling_params import InvalidRequest
 
 logger = logging.getLogger("reuse_server.api")
 
-# Seconds a client is told to wait. A full queue frees places as requests finish (steps take well under a
-# second) and the openai client adds its own backoff; a draining server is gone within --shutdown-timeout,
-# so a client behind a load balancer should come back a little later, to another replica.
+# Seconds a client is told to wait. A full queue frees places with every request that finishes, and the
+# openai client adds its own backoff; a draining server is gone within --shutdown-timeout, so a client behind
+# a load balancer should come back a little later, to another replica.
 RETRY_AFTER_QUEUE_FULL = 1
 RETRY_AFTER_DRAINING = 5
 
