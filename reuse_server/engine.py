@@ -160,7 +160,7 @@ class LLMEngine:
     def close(self) -> None:
         """The server is stopping and every request has ended (AsyncEngine calls this last, on the engine
         thread). The extension point for work that must finish before exit, such as flushing KV tier writes;
-        the GPU pool itself needs none."""
+        the KV pool in memory needs none."""
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
