@@ -1,4 +1,4 @@
-"""`reuse-server serve`: flags -> EngineConfig -> AsyncEngine -> FastAPI app -> uvicorn."""
+"""`reuse-server serve`: flags -> EngineConfig -> AsyncEngine -> FastAPI app -> uvicorn (draining on SIGTERM)."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +81,16 @@ def non_negative_float(text: str) -> float:
     if not (math.isfinite(value) and value >= 0.0):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
     return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+DEFAULT_MAX_WAITING = 256
 
 
 def check_layers(text: str) -> tuple[int, ...]:
@@ -231,6 +241,24 @@ def build_parser() -> argparse.ArgumentParser:
     blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
                        help="/v1/completions: split a text prompt into reusable chunks at this string, "
                             "which is removed (default: none; the prompt is one piece)")
+    service = serve.add_argument_group("service", "Keys, load limits and shutdown.")
+    service.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                         help="a key clients must send as 'Authorization: Bearer KEY' on /v1 routes (repeatable; "
+                              "visible in the process list, --api-key-file is not); each key is its own cache "
+                              "namespace (tenant) (default: none, the routes are open)")
+    service.add_argument("--api-key-file", metavar="FILE",
+                         help="read more keys from FILE, one a line ('#' lines and blank lines skipped)")
+    service.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
+                         help="a key /metrics requires (repeatable) (default: none, /metrics is open)")
+    service.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
+                         help="most requests waiting to be scheduled (each choice of n counts); past it, "
+                              "429 with Retry-After")
+    service.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                         help="abort a request this long after it arrived and answer 408 (a stream ends with "
+                              "an error event) (default: none, no limit)")
+    service.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                         help="on SIGTERM, refuse new requests (503) and let those in flight finish for this long, "
+                              "then abort the rest and exit 0")
     serve.set_defaults(command_parser=serve)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
@@ -290,27 +318,55 @@ def blend_flags_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def tenant_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key values and the lines of --api-key-file; raises OSError for an unreadable file."""
+    from reuse_server.api.auth import read_key_file
+
+    return list(args.api_keys or []) + (read_key_file(args.api_key_file) if args.api_key_file else [])
+
+
+def key_flags_problem(args: argparse.Namespace) -> str | None:
+    """A key flag that would leave the server less protected than asked (an empty key, a file without keys)."""
+    if any(not key.strip() for key in (args.api_keys or []) + (args.admin_api_keys or [])):
+        return "an API key must not be empty"
+    if args.api_key_file:
+        try:
+            from_file = tenant_keys(args)[len(args.api_keys or []):]
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"could not read --api-key-file: {exc}"
+        if not from_file:
+            return f"--api-key-file {args.api_key_file} holds no keys"
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn  # the heavy imports wait until the flags are known to be good
 
     from reuse_server.api.app import create_app
+    from reuse_server.api.settings import ServerSettings
     from reuse_server.async_engine import AsyncEngine
+    from reuse_server.serving import DrainingServer
 
+    from reuse_server.api.auth import ApiKeys
+
+    keys = ApiKeys(tenant_keys(args), args.admin_api_keys or [])
     try:
-        engine = AsyncEngine.from_config(engine_config(args))
+        engine = AsyncEngine.launch(engine_config(args), max_waiting=args.max_waiting)
     except Exception as exc:  # any load failure is reported as one line; --log-level debug shows the traceback
         logging.getLogger("reuse_server").debug("model load failed", exc_info=True)
         print(f"reuse-server: error: could not load the model: {exc}", file=sys.stderr)
         return 1
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    DrainingServer(config, engine, args.shutdown_timeout).run()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad flags: argparse prints usage and a message, exits 2
     if args.command == "serve":
-        problem = blend_flags_problem(args)
+        problem = blend_flags_problem(args) or key_flags_problem(args)
         if problem:
             args.command_parser.error(problem)
         return serve(args)

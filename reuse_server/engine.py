@@ -292,6 +292,7 @@ class LLMEngine:
         )
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Flush what the tiers still have to write (up to `timeout` seconds) and stop their writers."""
+        """The server is stopping and every request has ended (AsyncEngine calls this last, on the engine
+        thread): flush what the tiers still have to write (up to `timeout` seconds) and stop their writers."""
         return self.tiers.close(timeout) if self.tiers is not None else True
 

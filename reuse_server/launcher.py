@@ -53,7 +53,7 @@ def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)  # a drain waits up to --shutdown-timeout (default 30 s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

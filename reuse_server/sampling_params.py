@@ -86,7 +86,9 @@ class CacheOptions:
     """Per-request cache controls (request body extensions)."""
 
     prefix_cache: bool = True  # False: neither read nor write the prefix cache (a baseline)
-    cache_salt: str | None = None  # tenant isolation: salted requests share blocks only with the same salt
+    cache_salt: str | None = None  # salted requests share blocks only with the same salt (and tenant)
+    # the API key's tenant (api/auth.py: a fixed-length digest, never the key): its own cache namespace
+    tenant: str | None = None
     blend: bool | None = None  # None: server default
     recompute_ratio: float | None = None  # None: server default
     # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a
@@ -98,5 +100,8 @@ class CacheOptions:
     @property
     def namespace(self) -> bytes:
         """The bytes that keep this request's cached KV apart from other requests' (the radix namespace its
-        exact blocks are filed under): requests share blocks only within one namespace."""
-        return self.cache_salt.encode() if self.cache_salt else b""
+        exact blocks are filed under, folded into their identities): requests share blocks only within one
+        namespace. The tenant, then the salt: tenant ids all have one length, so (tenant, salt) pairs never
+        collide; without API keys there is no tenant."""
+        tenant = self.tenant.encode() if self.tenant else b""
+        return tenant + (self.cache_salt.encode() if self.cache_salt else b"")

@@ -13,7 +13,8 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
-         "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator"]
+         "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator", "--api-key",
+         "--api-key-file", "--admin-api-key", "--max-waiting", "--request-timeout", "--shutdown-timeout"]
 
 
 def test_help_documents_every_flag_with_its_default(capsys):
@@ -26,9 +27,11 @@ def test_help_documents_every_flag_with_its_default(capsys):
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
                   "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
                   "(default: off)", "(default: 0.15)", "(default: 1)", "(default: kv)", "(default: 32)",
-                  "(default: none", "(default: native)"]:
+                  "(default: none", "(default: native)", "(default: 256)", "(default: 30.0)",
+                  "(default: none, the routes are open)"]:
         assert shown in text, shown
-    assert text.count("(default") >= len(FLAGS) - 1  # --no-blend says "(the default)"
+    assert text.count("(default") >= len(FLAGS) - 3  # --no-blend says "(the default)"; the key file and the
+    # request timeout have none
 
 
 def test_defaults_match_engine_config():
@@ -95,6 +98,12 @@ def test_parse_size(text, size):
     (["--blend-query-weight", "-1"], "finite number >= 0"),
     (["--blend-query-weight", "inf"], "finite number >= 0"),
     (["--blend-separator", ""], "must not be empty"),
+    (["--api-key", ""], "must not be empty"),
+    (["--admin-api-key", " "], "must not be empty"),
+    (["--api-key-file", "/no/such/keys.txt"], "could not read --api-key-file"),
+    (["--max-waiting", "0"], "at least 1"),
+    (["--request-timeout", "0"], "> 0"),
+    (["--shutdown-timeout", "-1"], ">= 0"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -102,6 +111,15 @@ def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_a_key_file_without_keys_is_refused(tmp_path, capsys):
+    """Starting open when keys were asked for would be worse than not starting."""
+    empty = tmp_path / "keys.txt"
+    empty.write_text("# nobody yet\n\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--api-key-file", str(empty)])
+    assert exit_.value.code == 2 and "holds no keys" in capsys.readouterr().err
 
 
 def test_model_that_fails_to_load_exits_1_with_one_line(tmp_path):

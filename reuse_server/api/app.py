@@ -4,15 +4,20 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from reuse_server.api.errors import install_error_handlers
 from reuse_server.api.routes import router
+from reuse_server.api.settings import ServerSettings
+from reuse_server.api.tokenizing import Tokenizing
 from reuse_server.metrics import ServerMetrics
 
 
-def create_app(engine, metrics: ServerMetrics | None = None) -> FastAPI:
+def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings if settings is not None else ServerSettings()
     metrics = metrics if metrics is not None else ServerMetrics(engine)
     engine.metrics = metrics  # the engine reports TTFT and request ends to it
+    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -21,11 +26,29 @@ def create_app(engine, metrics: ServerMetrics | None = None) -> FastAPI:
             yield
         finally:
             await engine.shutdown()
+            tokenizing.close()
 
     app = FastAPI(title="kv-reuse-server", summary="OpenAI-compatible server that reuses KV cache",
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.settings = settings
+    app.state.api_keys = settings.api_keys
+    app.state.tokenizing = tokenizing
     install_error_handlers(app)
     app.include_router(router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema without the 422 it declares for every body: bad bodies get 400 here (errors.py)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

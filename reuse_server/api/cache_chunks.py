@@ -35,27 +35,37 @@ def check_lengths(chunks: list[list[int]], limit: int, opening: int) -> None:
                 f"chunks[{i}]", "context_length_exceeded")
 
 
-async def precompute_one(engine, opening: list[int], token_ids: list[int], salt: str | None) -> RequestOutput:
+def start_precompute(engine, opening: list[int], token_ids: list[int], salt: str | None, tenant: str | None,
+                     deadline: float | None):
     # blend=False: a chunk already in the index would otherwise be blended from itself, and a blended
     # chunk is neither registered again nor reported as present.
     options = CacheOptions(chunk_spans=[(len(opening), len(token_ids))], precompute_only=True, cache_salt=salt,
-                           blend=False)
+                           tenant=tenant, blend=False)
+    return engine.generate(f"chunk-{uuid.uuid4().hex}", opening + token_ids,
+                           SamplingParams(max_tokens=1, temperature=0.0), options, deadline)
+
+
+async def last_output(stream) -> RequestOutput:
     last = None
-    async with aclosing(engine.generate(f"chunk-{uuid.uuid4().hex}", opening + token_ids,
-                                        SamplingParams(max_tokens=1, temperature=0.0), options)) as outputs:
-        async for out in outputs:
+    async with aclosing(stream):
+        async for out in stream:
             last = out
     return last
 
 
-async def precompute_all(engine, opening: list[int], chunks: list[list[int]], salt: str | None) -> list[RequestOutput]:
-    tasks = [asyncio.ensure_future(precompute_one(engine, opening, ids, salt)) for ids in chunks]
+async def precompute_all(streams: list) -> list[RequestOutput]:
+    tasks = [asyncio.ensure_future(last_output(stream)) for stream in streams]
     try:
         return await asyncio.gather(*tasks)
     finally:  # one failed or the client left: stop the rest too (their requests are aborted)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def tokenize_chunks(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Each document's tokens, and the chat template's opening that precedes them."""
+    return [list(encode(tokenizer, text)) for text in texts], user_turn_opening(tokenizer)
 
 
 def chunk_result(index: int, num_tokens: int, out: RequestOutput | None, min_tokens: int) -> CachedChunk:
@@ -73,13 +83,20 @@ def chunk_result(index: int, num_tokens: int, out: RequestOutput | None, min_tok
 async def precompute_chunks(engine, body: CacheChunksRequest, request: Request) -> Response:
     if body.model is not None and body.model != engine.model_id:
         raise ModelNotFound(body.model, engine.model_id)
-    chunks = [list(encode(engine.tokenizer, text)) for text in body.chunks]
-    opening = user_turn_opening(engine.tokenizer)
+    tenant = request.state.tenant
+    tokenizing = request.app.state.tokenizing
+    chunks, opening = await tokenizing.run(tokenize_chunks, tokenizing.tokenizer_for(tenant), body.chunks)
     check_lengths(chunks, engine.max_model_len, len(opening))  # before any KV block is touched
     min_tokens = engine.config.blend_min_tokens
     todo = [i for i, ids in enumerate(chunks) if len(ids) >= min_tokens]
-    finals = await until_done_or_disconnected(
-        precompute_all(engine, opening, [chunks[i] for i in todo], body.cache_salt), request)
+    engine.admit(len(todo))  # then every chunk is submitted at once, nothing admitted in between
+    streams = [start_precompute(engine, opening, chunks[i], body.cache_salt, tenant, request.state.deadline)
+               for i in todo]
+    try:
+        finals = await until_done_or_disconnected(precompute_all(streams), request)
+    finally:  # a stream whose task never ran was never opened: abort it here
+        for stream in streams:
+            stream.close()
     by_index = dict(zip(todo, finals))
     results = [chunk_result(i, len(ids), by_index.get(i), min_tokens) for i, ids in enumerate(chunks)]
     response = CacheChunksResponse(model=engine.model_id, stored_tokens=sum(r.stored_tokens for r in results),

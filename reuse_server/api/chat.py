@@ -48,7 +48,9 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
     check_common(body)
     check_unsupported(body)
     logprobs = requested_logprobs(body)
-    prompt_ids, chunk_spans = render_chat_prompt(engine.tokenizer, body.messages)
+    tokenizing = request.app.state.tokenizing
+    prompt_ids, chunk_spans = await tokenizing.run(render_chat_prompt, tokenizing.tokenizer_for(request.state.tenant),
+                                                   body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
@@ -58,7 +60,8 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = body.n or 1
-    outputs = generate_choices(engine, request_id, prompt_ids, params, cache_options(body, chunk_spans), n)
+    outputs = generate_choices(engine, request_id, prompt_ids, params,
+                               cache_options(body, chunk_spans, request.state.tenant), n, request.state.deadline)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = chat_chunks(outputs, n, request_id, created, engine.model_id, include_usage, logprobs is not None)

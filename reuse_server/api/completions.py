@@ -60,14 +60,17 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
         raise InvalidRequest("suffix is not supported.", "suffix")
     if body.best_of not in (None, 1):
         raise InvalidRequest(f"Only best_of=1 is supported, got best_of={body.best_of}.", "best_of")
-    prompt_ids, chunk_spans = completion_prompt(engine.tokenizer, body.prompt, engine.config.blend_separator)
+    tokenizing = request.app.state.tokenizing
+    prompt_ids, chunk_spans = await tokenizing.run(completion_prompt, tokenizing.tokenizer_for(request.state.tenant),
+                                                   body.prompt, engine.config.blend_separator)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     n = body.n or 1
-    outputs = generate_choices(engine, request_id, prompt_ids, params, cache_options(body, chunk_spans), n)
+    outputs = generate_choices(engine, request_id, prompt_ids, params,
+                               cache_options(body, chunk_spans, request.state.tenant), n, request.state.deadline)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(outputs, n, request_id, created, engine.model_id, include_usage,

@@ -3,16 +3,25 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from reuse_server.api.auth import Unauthorized
 from reuse_server.api.protocol import ErrorDetail, ErrorResponse
+from reuse_server.request_errors import EngineUnavailable, QueueFull, RequestTimedOut, ServerDraining
 from reuse_server.sampling_params import InvalidRequest
 
 logger = logging.getLogger("reuse_server.api")
+
+# Seconds a client is told to wait. A full queue frees places with every request that finishes, and the
+# openai client adds its own backoff; a draining server is gone within --shutdown-timeout, so a client behind
+# a load balancer should come back a little later, to another replica.
+RETRY_AFTER_QUEUE_FULL = 1
+RETRY_AFTER_DRAINING = 5
 
 
 class ModelNotFound(Exception):
@@ -32,6 +41,45 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class ServiceError(NamedTuple):
+    """How a refusal that is not the request's fault (auth, load, timeout, shutdown) leaves the server."""
+    status: int
+    message: str
+    type: str
+    code: str
+    headers: dict[str, str]
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, None, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def service_error(exc: BaseException) -> ServiceError | None:
+    """The status and OpenAI-style error for the exceptions the server raises on purpose, or None.
+    A request timeout is 408, as Azure OpenAI answers a server-side timeout (and the openai client retries
+    it): a limit the operator chose ran out, not a failure of the server, so it is not counted as a 5xx."""
+    if isinstance(exc, Unauthorized):
+        return ServiceError(401, exc.message, "invalid_request_error", "invalid_api_key",
+                            {"WWW-Authenticate": "Bearer"})
+    if isinstance(exc, QueueFull):
+        return ServiceError(429, str(exc), "rate_limit_error", "queue_full",
+                            {"Retry-After": str(RETRY_AFTER_QUEUE_FULL)})
+    if isinstance(exc, RequestTimedOut):
+        return ServiceError(408, str(exc), "timeout_error", "request_timeout", {})
+    if isinstance(exc, ServerDraining):
+        return ServiceError(503, f"The server is not accepting requests: {exc}.", "server_error",
+                            "server_shutting_down", {"Retry-After": str(RETRY_AFTER_DRAINING)})
+    if isinstance(exc, EngineUnavailable):
+        return ServiceError(503, f"The server cannot serve requests: {exc}.", "server_error", "engine_unavailable",
+                            {})
+    return None
+
+
+SERVICE_ERRORS = (Unauthorized, QueueFull, RequestTimedOut, EngineUnavailable)
 
 
 def _field_path(loc: tuple) -> str:
@@ -78,6 +126,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
         # Nobody reads this; 499 is the conventional "client closed request" for access logs.
         return error_response(499, "The client closed the connection; the request was aborted.")
+
+    for kind in SERVICE_ERRORS:
+        @app.exception_handler(kind)
+        async def _service(_: Request, exc: Exception) -> JSONResponse:
+            return service_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

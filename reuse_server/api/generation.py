@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
-from reuse_server.api.errors import ClientDisconnected, ModelNotFound, error_body
+from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNotFound, error_body, service_error
 from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
 from reuse_server.outputs import RequestOutput
 from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
@@ -76,11 +76,13 @@ def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = ()) -> CacheOptions:
+def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = (),
+                  tenant: str | None = None) -> CacheOptions:
     blend = body.kv_blend
     return CacheOptions(
         prefix_cache=body.prefix_cache is not False,
         cache_salt=body.cache_salt,
+        tenant=tenant,
         blend=None if blend is None else blend.enabled,
         recompute_ratio=None if blend is None else blend.recompute_ratio,
         chunk_spans=list(chunk_spans),
@@ -112,10 +114,30 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 def generate_choices(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     cache: CacheOptions, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Start the n choices of a request; their outputs as they come, each with its choice index."""
-    return interleave([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, cache)
-                       for i, p in enumerate(choice_params(params, n))])
+                     cache: CacheOptions, n: int, deadline: float | None = None) -> "ChoiceOutputs":
+    """Admit and start the n choices of a request at once (nothing else is admitted in between); their
+    outputs as they come, each with its choice index. Raises (429, 503) before anything is queued."""
+    engine.admit(n)
+    return ChoiceOutputs([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, cache,
+                                          deadline)
+                          for i, p in enumerate(choice_params(params, n))])
+
+
+class ChoiceOutputs:
+    """(index, output) of a request's choices as they come. Closing it aborts every unfinished choice, even
+    if nobody ever iterated it (a client gone before the response started)."""
+
+    def __init__(self, streams: list) -> None:
+        self.streams = streams
+        self._merged = interleave(streams)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        return self._merged
+
+    async def aclose(self) -> None:
+        await self._merged.aclose()
+        for stream in self.streams:
+            await stream.aclose()
 
 
 async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -209,6 +231,8 @@ async def sse_events(chunks: AsyncIterator[BaseModel], outputs: AsyncIterator) -
             yield sse(chunk)
     except InvalidRequest as exc:
         yield sse(error_body(exc.message, "invalid_request_error", exc.param, exc.code))
+    except SERVICE_ERRORS as exc:  # timed out, engine died, server shutting down
+        yield sse(service_error(exc).body())
     except Exception:
         logger.exception("Error while streaming a response")
         yield sse(error_body("The server had an internal error while streaming the response.", "server_error"))

@@ -335,3 +335,8 @@ class CacheChunksResponse(BaseModel):
     model: str
     stored_tokens: int
     chunks: list[CachedChunk]
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok", "draining", "dead"]
+    reason: str | None = Field(None, exclude_if=_drop_if_none)  # why the server is not serving

@@ -1,54 +1,102 @@
-"""The HTTP endpoints; each hands off to the module that does the work."""
+"""The HTTP endpoints; each hands off to the module that does the work. Every status a route can answer is
+declared with its body, so the OpenAPI schema (/openapi.json) describes the real responses (a fuzz test holds
+the server to it)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from reuse_server.api.auth import require_admin, require_tenant
 from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.cache_prefetch import prefetch
 from reuse_server.api.cache_stats import cache_stats
 from reuse_server.api.chat import create_chat_completion
 from reuse_server.api.completions import create_completion
-from reuse_server.api.errors import ClientDisconnected, ModelNotFound, internal_error
-from reuse_server.api.protocol import (CacheChunksRequest, CachePrefetchRequest, ChatCompletionRequest,
-                                       CompletionRequest, ModelCard, ModelList)
+from reuse_server.api.errors import (RETRY_AFTER_DRAINING, SERVICE_ERRORS, ClientDisconnected, ModelNotFound,
+                                     internal_error)
+from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, CachePrefetchRequest, ChatCompletionRequest,
+                                       ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
+                                       HealthStatus, ModelCard, ModelList)
 from reuse_server.sampling_params import InvalidRequest
 
-router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/health")
-async def health() -> dict:
-    return {"status": "ok"}
+def _error(description: str) -> dict:
+    return {"model": ErrorResponse, "description": description}
 
 
-@router.get("/v1/models")
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer"}}}
+_UNAUTHORIZED = {401: _error("No valid API key (only when the server has keys).")}
+_ERRORS = {
+    400: _error("The request is invalid (an OpenAI-style error names the field)."),
+    **_UNAUTHORIZED,
+    404: _error("The model is not the one served."),
+    408: _error("The request ran past --request-timeout and was aborted."),
+    429: {**_error("Too many requests are waiting (--max-waiting)."), "headers": _RETRY_AFTER},
+    500: _error("An internal error."),
+    503: {**_error("The server is shutting down, or its engine has stopped."), "headers": _RETRY_AFTER},
+}
+# One event of the stream (OpenAPI 3.1 describes a text/event-stream by its events): its data is a JSON chunk
+# (the completion's shape, object "chat.completion.chunk" or "text_completion"), an error object, or [DONE].
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                         "properties": {"data": {"type": "string"}}}}}
+
+
+def _generation(model) -> dict:
+    return {200: {"model": model, "description": "The response; with stream=true, Server-Sent Events.",
+                  "content": _SSE}, **_ERRORS}
+
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
+
+
+@router.get("/health", response_model=HealthStatus,
+            responses={503: {"model": HealthStatus, "description": "Not serving: shutting down or engine stopped.",
+                             "headers": _RETRY_AFTER}})
+async def health(request: Request) -> JSONResponse:
+    engine = request.app.state.engine
+    reason = engine.unavailable_reason()
+    if reason is None:
+        return JSONResponse(HealthStatus(status="ok").model_dump(exclude_none=True))
+    if engine.draining and engine.dead_reason is None:
+        return JSONResponse(HealthStatus(status="draining", reason=reason).model_dump(), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_DRAINING)})
+    return JSONResponse(HealthStatus(status="dead", reason=reason).model_dump(), status_code=503)
+
+
+@v1.get("/models", response_model=ModelList, responses=_UNAUTHORIZED)
 async def models(request: Request) -> Response:
     engine = request.app.state.engine
     listing = ModelList(data=[ModelCard(id=engine.model_id, created=_STARTED, max_model_len=engine.max_model_len)])
     return Response(listing.model_dump_json(), media_type="application/json")
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(require_admin)], response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus metrics."},
+                       401: _error("No admin API key (only when the server has one).")})
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/v1/completions")
+@v1.post("/completions", response_model=None, responses=_generation(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _answer(create_completion, body, request)
 
 
-@router.post("/v1/chat/completions")
+@v1.post("/chat/completions", response_model=None, responses=_generation(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _answer(create_chat_completion, body, request)
 
 
-@router.post("/v1/cache/chunks")
+@v1.post("/cache/chunks", response_model=None,
+         responses={200: {"model": CacheChunksResponse, "description": "What was stored."}, **_ERRORS})
 async def cache_chunks(body: CacheChunksRequest, request: Request) -> Response:
     return await _answer(precompute_chunks, body, request)
 
@@ -64,10 +112,17 @@ async def stats(request: Request) -> Response:
 
 
 async def _answer(handler, body, request: Request) -> Response:
+    engine = request.app.state.engine
+    timeout = request.app.state.settings.request_timeout
+    request.state.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     try:
-        return await handler(request.app.state.engine, body, request)
-    except (InvalidRequest, ModelNotFound, ClientDisconnected):
-        raise  # the app's handlers turn these into 4xx
+        engine.admit(0)  # refused at once while shutting down or dead, before tokenizing anything
+        return await handler(engine, body, request)
+    except (InvalidRequest, ModelNotFound, ClientDisconnected, *SERVICE_ERRORS):
+        raise  # the app's handlers turn these into 4xx (and 503s that say why)
     except Exception:
         # Answered here rather than by an app-level handler, which Starlette re-raises (a second traceback).
         return internal_error(request)
+
+
+router.include_router(v1)

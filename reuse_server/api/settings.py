@@ -1,0 +1,14 @@
+"""What the HTTP layer is configured with besides the engine (the CLI fills it from flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reuse_server.api.auth import ApiKeys
+from reuse_server.api.tokenizing import DEFAULT_THREADS
+
+
+@dataclass
+class ServerSettings:
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the routes are open, requests have no tenant
+    request_timeout: float | None = None  # seconds from arrival; past it the request is aborted (408)
+    tokenizer_threads: int = DEFAULT_THREADS
