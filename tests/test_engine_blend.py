@@ -118,7 +118,7 @@ def test_reused_keys_are_rotated_to_their_new_positions(checkpoint):
     seq_ids = ids
     engine.add_request("x", seq_ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["x"]
-    assert engine.blocks.admit(seq, len(ids)) == 0
+    assert engine.blocks.admit(seq, len(ids)).cached_tokens == 0
     assert engine.blender.admit(seq)  # the chunks are found and copied in
     reused = engine.blender.jobs["x"].reused
     assert reused.nonzero().flatten().tolist() == [p for start, n in spans for p in range(start, start + n)]

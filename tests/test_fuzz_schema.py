@@ -20,7 +20,8 @@ from reuse_server.api.protocol import ChatCompletionChunk, CompletionResponse, E
 from server_process import running_server
 
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
-          ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks")]
+          ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks"), ("POST", "/v1/cache/prefetch"),
+          ("GET", "/v1/cache/stats")]
 CASES = {"POST": 80, "GET": 15}  # per route: 285 in all, about half of them schema-invalid
 CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 

@@ -269,3 +269,19 @@ def test_blobs_refuse_damage_other_models_and_other_blocks():
             decode(data, ctx)
     with pytest.raises(BadBlob, match="holds another block"):
         decode(blob, ctx, expected_hash=b"x" * 16)
+
+
+def test_a_tenant_never_hits_another_tenants_blocks_in_any_tier(checkpoints, tmp_path):
+    """The namespace (tenant, cache salt) is folded into every block's identity, so tiers keep tenants apart
+    as the device pool does."""
+    ids = prompt(12)
+    with redis_server() as server:
+        writer = make(checkpoints[3], cpu_cache_size=10**7, disk_cache_dir=str(tmp_path), redis_url=server.url)
+        run(writer, "alpha", ids, tenant="a" * 32)
+        writer.close()
+        reader = make(checkpoints[3], cpu_cache_size=10**7, disk_cache_dir=str(tmp_path), redis_url=server.url)
+        other = run(reader, "beta", ids, tenant="b" * 32)
+        assert other[2].cached_tokens == 0 and other[2].tier_tokens == {}
+        same = run(reader, "alpha-again", ids, tenant="a" * 32)
+        assert same[2].cached_tokens == (len(ids) - 1) // BS * BS and set(same[2].tier_tokens) == {"disk"}
+        reader.close()

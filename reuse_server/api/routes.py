@@ -18,7 +18,8 @@ from reuse_server.api.chat import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import (RETRY_AFTER_DRAINING, SERVICE_ERRORS, ClientDisconnected, ModelNotFound,
                                      internal_error)
-from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, CachePrefetchRequest, ChatCompletionRequest,
+from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, CachePrefetchRequest,
+                                       CachePrefetchResponse, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
 from reuse_server.sampling_params import InvalidRequest
@@ -101,12 +102,17 @@ async def cache_chunks(body: CacheChunksRequest, request: Request) -> Response:
     return await _answer(precompute_chunks, body, request)
 
 
-@router.post("/v1/cache/prefetch")
+@v1.post("/cache/prefetch", response_model=None,
+         responses={200: {"model": CachePrefetchResponse, "description": "How much of the prompt is now resident."},
+                    **_ERRORS})
 async def cache_prefetch(body: CachePrefetchRequest, request: Request) -> Response:
     return await _answer(prefetch, body, request)
 
 
-@router.get("/v1/cache/stats")
+@router.get("/v1/cache/stats", dependencies=[Depends(require_admin)], response_class=Response,
+            responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
+                             "description": "What the device pool and each tier below it hold."},
+                       401: _error("No admin API key (only when the server has one).")})
 async def stats(request: Request) -> Response:
     return Response(cache_stats(request.app.state.engine), media_type="application/json")
 
