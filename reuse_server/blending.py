@@ -4,8 +4,8 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
   (re-RoPE from positions 0..n-1 to where the chunk now sits; chunks cached alone that other text now
   precedes also get the model's key shift, blend/key_shift.py) and open a BlendJob;
-- run: the prompt is prefilled in chunks like any other, batched with other work in the runner's one
-  forward; for each chunk the Blender gives a ChunkSelection, which only chooses rows: every token not
+- run: the prompt is prefilled in slices like any other, batched with other work in the runner's one
+  forward; for each slice the Blender gives a SliceSelection, which only chooses rows: every token not
   reused is always computed; reused tokens are computed up to the first check layer, where the deviation
   between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
   the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
@@ -189,13 +189,13 @@ class Blender:
         return tail, QuestionProbe(self.kv, torch.tensor(seq.block_table), seq.num_tokens, torch.tensor(tail),
                                    self.attention_scale, self.num_layers, job.probe)
 
-    def selection(self, seq: Sequence, start: int, num_tokens: int) -> "ChunkSelection":
+    def selection(self, seq: Sequence, start: int, num_tokens: int) -> "SliceSelection":
         """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
         job = self.jobs[seq.request_id]
         end = start + num_tokens
-        return ChunkSelection(self.kv, self.settings, job, start, end, final=end == seq.num_tokens)
+        return SliceSelection(self.kv, self.settings, job, start, end, final=end == seq.num_tokens)
 
-    def chunk_done(self, seq: Sequence, selection: "ChunkSelection") -> None:
+    def slice_done(self, seq: Sequence, selection: "SliceSelection") -> None:
         """After the step's forward: count what selection did. Anything not recomputed makes seq's KV
         approximate, so from now on it is filed under its approximate namespace."""
         job = self.jobs[seq.request_id]
@@ -236,8 +236,8 @@ class Blender:
         return stored, present
 
 
-class ChunkSelection:
-    """Which of one blended chunk's tokens each layer computes (the chunk's tokens are prompt positions
+class SliceSelection:
+    """Which of one blended slice's tokens each layer computes (the slice's tokens are prompt positions
     start .. end - 1). Tokens not reused always go on; reused ones go on until a check layer, where the
     deviation of their stale from their fresh K/V keeps the top share of them."""
 
@@ -261,10 +261,10 @@ class ChunkSelection:
 
     def choose(self, layer: int, local: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor | None:
-        """At a check layer: `local` are the indices into this chunk's input rows of the rows still computed
+        """At a check layer: `local` are the indices into this slice's input rows of the rows still computed
         (ascending), k/v their fresh K/V and slots where the stale one lies. Returns which of those rows go
         on (indices into `local`), or None for all."""
-        local = local if self.input_rows is None else self.input_rows[local]  # -> positions in the chunk
+        local = local if self.input_rows is None else self.input_rows[local]  # -> positions in the slice
         cand = self.reused[local].nonzero(as_tuple=True)[0]
         if not cand.numel():
             return None

@@ -122,11 +122,11 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._check_thread()
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        slices = self.scheduler.schedule()
+        if not slices:
             return []
         outputs = []
-        for c in chunks:
+        for c in slices:
             usage = c.seq.usage
             if c.admission is not None and usage.cached_tokens is None:
                 usage.cached_tokens = c.admission.cached_tokens
@@ -134,18 +134,18 @@ class LLMEngine:
             if c.seq.cache.prefetch_only:  # admitted: its blocks are up in the pool; nothing to compute
                 c.seq.finish_reason = "stop"
                 outputs.append(self._finish(c.seq, [], ""))
-        chunks = [c for c in chunks if c.num_tokens]
-        if not chunks:
+        slices = [c for c in slices if c.num_tokens]
+        if not slices:
             return outputs
-        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in chunks]
+        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in slices]
         start = time.perf_counter()
-        logits = self._forward(chunks, want)  # a row per chunk that wants one, in order
+        logits = self._forward(slices, want)  # a row per slice that wants one, in order
         if self.tiers is not None:  # the prefill rate, against which tier fetches are weighed
-            prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+            prefill = sum(c.num_tokens for c in slices if c.num_tokens > 1)
             if prefill:
                 self.tiers.observe_prefill(prefill, time.perf_counter() - start)
         pending, row = [], -1
-        for c, w in zip(chunks, want):
+        for c, w in zip(slices, want):
             seq = c.seq
             self.blocks.advance(seq, c.num_tokens)
             if not w:
@@ -168,18 +168,18 @@ class LLMEngine:
             outputs.append(self._append_token(seq, token, picked[i]))
         return outputs
 
-    def _forward(self, chunks, want: list[bool]) -> torch.Tensor | None:
-        """One forward for the step; a blended prefill's chunk only chooses rows (blending.ChunkSelection)."""
+    def _forward(self, slices, want: list[bool]) -> torch.Tensor | None:
+        """One forward for the step; a blended prefill's slice only chooses rows (blending.SliceSelection)."""
         blender = self.blender
-        for c in chunks:
+        for c in slices:
             if blender.needs_probe(c.seq):
                 positions, probe = blender.probe(c.seq)
                 self.runner.observe(c.seq, positions, probe)
         selections = {i: blender.selection(c.seq, c.seq.num_computed, c.num_tokens)
-                      for i, c in enumerate(chunks) if blender.blending(c.seq)}
-        logits = self.runner.run(chunks, want, selections)
+                      for i, c in enumerate(slices) if blender.blending(c.seq)}
+        logits = self.runner.run(slices, want, selections)
         for i, selection in selections.items():
-            blender.chunk_done(chunks[i].seq, selection)
+            blender.slice_done(slices[i].seq, selection)
         return logits
 
     def _prompt_done(self, seq: Sequence) -> None:
@@ -274,7 +274,7 @@ class LLMEngine:
     def memory(self, stats) -> dict:
         """What the pool's memory holds now: cached blocks and their tokens, the blocks running requests
         own and the tokens in them, and the slots that hold nothing (partly filled last blocks, blocks taken
-        for a chunk not yet computed)."""
+        for a slice not yet computed)."""
         bs = self.kv.block_size
         owned_blocks = owned_tokens = 0
         for seq in self.seqs.values():

@@ -1,5 +1,5 @@
-"""Run one scheduled step through the model: flatten its chunks (prefill chunks, decode tokens, blended
-prefill chunks alike) into one forward, write their KV, return the logits of the rows that are sampled."""
+"""Run one scheduled step through the model: flatten its slices (prefill slices, decode tokens, blended
+prefill slices alike) into one forward, write their KV, return the logits of the rows that are sampled."""
 from __future__ import annotations
 
 import torch
@@ -7,18 +7,18 @@ import torch
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
 from reuse_server.model.llama import RowSelection
-from reuse_server.scheduler import ScheduledChunk
+from reuse_server.scheduler import StepSlice
 
 
 class StepRows(RowSelection):
-    """The rows of a step's forward: every token of every chunk, except that a blended chunk's selection
+    """The rows of a step's forward: every token of every slice, except that a blended slice's selection
     drops reused rows at its check layers, and the last layer goes on only for the rows whose logits are
     sampled. `active` maps the current rows back to the step's input rows."""
 
     def __init__(self, bounds: list[tuple[int, int]], selections: dict[int, object], output_rows: torch.Tensor,
                  num_layers: int):
-        self.bounds = bounds  # per chunk: its input rows lo..hi
-        self.selections = selections  # chunk index -> blending.ChunkSelection
+        self.bounds = bounds  # per slice: its input rows lo..hi
+        self.selections = selections  # slice index -> blending.SliceSelection
         self.output_rows = output_rows  # input rows whose logits are wanted
         self.last_layer = num_layers - 1
         self.active = torch.arange(bounds[-1][1] if bounds else 0)
@@ -81,15 +81,15 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.long, device=dev), meta)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], want_logits: list[bool],
+    def run(self, slices: list[StepSlice], want_logits: list[bool],
             selections: dict[int, object] | None = None) -> torch.Tensor | None:
-        """Compute the chunks' KV; return logits [k, vocab] for the chunks flagged in want_logits (in order).
-        selections: chunk index -> the blending.ChunkSelection of a blended chunk."""
+        """Compute the slices' KV; return logits [k, vocab] for the slices flagged in want_logits (in order).
+        selections: slice index -> the blending.SliceSelection of a blended slice."""
         selections = selections or {}
         spans, bounds, output_rows = [], [], []
-        for i, (chunk, want) in enumerate(zip(chunks, want_logits)):
-            seq = chunk.seq
-            start, end = seq.num_computed, seq.num_computed + chunk.num_tokens
+        for i, (piece, want) in enumerate(zip(slices, want_logits)):
+            seq = piece.seq
+            start, end = seq.num_computed, seq.num_computed + piece.num_tokens
             picked = range(start, end)
             sel = selections.get(i)
             if sel is not None and sel.input_rows is not None:

@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill under a token budget per step.
 
 Each step: running sequences in decode take one token each (preempting the most recently admitted
-sequences when blocks run out), prefilling ones take a chunk, and waiting ones are admitted while the
+sequences when blocks run out), prefilling ones take a slice of their prompt (chunked prefill; blended
+prefills alike), and waiting ones are admitted while the
 budget, the sequence cap and the pool allow. Waiting requests go longest-cached-prefix first (their
 prefill is cheapest and their cached blocks are the likeliest to be evicted if they wait), except that
 anyone passed over too often goes first, so nothing starves.
@@ -25,9 +26,11 @@ MAX_SKIPS = 8
 
 
 @dataclass
-class ScheduledChunk:
+class StepSlice:
+    """One sequence's part of a step: the tokens it computes, from seq.num_computed on."""
+
     seq: Sequence
-    num_tokens: int  # tokens computed this step, from seq.num_computed
+    num_tokens: int
     admission: Admission | None = None  # admitted this step: what the caches served
 
 
@@ -72,9 +75,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> list[StepSlice]:
         budget = self.max_num_batched_tokens
-        batch: list[ScheduledChunk] = []
+        batch: list[StepSlice] = []
 
         # Running sequences, oldest first; the newest are the ones preempted under pressure.
         i = 0
@@ -87,7 +90,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.append(ScheduledChunk(seq, n))
+                batch.append(StepSlice(seq, n))
                 budget -= n
                 i += 1
                 continue
@@ -116,7 +119,7 @@ class Scheduler:
             seq.queue.status = SeqStatus.RUNNING
             self.running.append(seq)
             n = 0 if prefetch else min(self.blocks.computable(seq), budget)
-            batch.append(ScheduledChunk(seq, n, admission))
+            batch.append(StepSlice(seq, n, admission))
             budget -= n
             if in_flight is not None and (key := self._block_in_flight(seq)) is not None:
                 in_flight.add(key)

@@ -306,9 +306,9 @@ def test_a_blended_prefill_batched_with_decodes_and_prefills_gives_what_it_gives
     close(busy[1], alone[1], 1e-4)
 
 
-def test_a_blended_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(checkpoint):
+def test_a_blended_prompt_longer_than_the_step_budget_is_prefilled_in_slices(checkpoint):
     """Within the token budget like any prefill: a blended prompt of 47 tokens with a budget of 16 takes
-    several steps; at ratio 1 every reused token is recomputed in its chunk, which is a full prefill."""
+    several steps; at ratio 1 every reused token is recomputed in its slice, which is a full prefill."""
     blended = make_engine(checkpoint, max_num_batched_tokens=16)
     full = make_engine(checkpoint, enable_blend=False)
     ids, spans = reversed_precomputed_prompt(blended, seed=22)
