@@ -8,6 +8,7 @@ from fastapi import FastAPI
 from reuse_server.api.errors import install_error_handlers
 from reuse_server.api.routes import router
 from reuse_server.metrics import ServerMetrics
+from reuse_server.structured_output import GrammarCompiler
 
 
 def create_app(engine, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -26,6 +27,7 @@ def create_app(engine, metrics: ServerMetrics | None = None) -> FastAPI:
                   lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     install_error_handlers(app)
     app.include_router(router)
     return app
