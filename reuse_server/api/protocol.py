@@ -232,6 +232,18 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        """One message for any malformed tool_choice (pydantic's would name each member of the union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
+                and isinstance(value["function"].get("name"), str):
+            return value
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
+
 
 class CacheChunksRequest(BaseModel):
     """POST /v1/cache/chunks: documents to compute and file in the chunk index before any question arrives."""

@@ -392,8 +392,10 @@ class ToolCallStream:
         if self.state == "head":
             head = _HEAD.match(self.buffer)
             close = self.buffer.find(CALL_CLOSE)
-            # the head is complete once the arguments' first character has come (whitespace before it is not theirs)
-            if head and head.end() < len(self.buffer) and (close < 0 or head.end() <= close):
+            # The head is complete once the arguments' first character has come (whitespace before it is not
+            # theirs). Arguments written as a JSON string are decoded whole, at the end of the call.
+            if (head and head.end() < len(self.buffer) and self.buffer[head.end()] != '"'
+                    and (close < 0 or head.end() <= close)):
                 self._call(json.loads(f'"{head.group(1)}"'))
                 self.buffer = self.buffer[head.end():]
                 self.sent = 0
