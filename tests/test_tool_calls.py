@@ -247,6 +247,9 @@ ANSWERS = [
     (CALL, None, [("get_weather", '{"city": "Paris", "days": 3}')]),
     ('<tool_call>\n{"arguments": {"x": [1, {"y": null}]}, "name": "f"}\n</tool_call>', None, [("f", '{"x": [1, {"y": null}]}')]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),
+    # raw control characters inside strings (grammars of length-bounded strings allow them) come back escaped
+    ('<tool_call>\n{"name": "f", "arguments": {\t"q": "a\x17b\tc" }}\n</tool_call>', None,
+     [("f", '{\t"q": "a\\u0017b\\tc" }')]),
     ("plain <tool text, no call", "plain <tool text, no call", []),
     ("<tool_call>\nnot json\n</tool_call> then text", "<tool_call>\nnot json\n</tool_call> then text", []),
 ]
@@ -256,6 +259,7 @@ ANSWERS = [
 def test_parse_whole_answers(text, content, calls):
     got_content, got = parse_tool_calls(text)
     assert got_content == content and [(c.name, c.arguments) for c in got] == calls
+    assert all(isinstance(json.loads(c.arguments), dict) for c in got)  # strict JSON
     assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
     assert finish_reason("stop", bool(got)) == ("tool_calls" if calls else "stop")
     assert finish_reason("length", bool(got)) == "length"

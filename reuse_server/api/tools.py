@@ -137,7 +137,7 @@ def _parts(content: Any) -> list[dict]:
 
 def _arguments_object(arguments: str, where: str) -> Any:
     try:
-        return json.loads(arguments)
+        return json.loads(arguments, strict=False)
     except json.JSONDecodeError:
         raise InvalidRequest(f"{where}: the arguments are not valid JSON.", "messages") from None
 
@@ -236,6 +236,33 @@ def output_constraint(settings: ToolSettings | None, response_format: ResponseFo
 # ---------------------------------------------------------------- reading calls back
 
 
+class ControlCharEscaper:
+    """Escapes the control characters (U+0000-U+001F) that stand raw inside the strings of JSON text, which
+    JSON forbids: grammars for length-bounded strings let a model write them. Text outside strings passes
+    through unchanged, so the model's own formatting is kept. Feed it a text in pieces, in order."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                elif ch < " ":
+                    ch = json.dumps(ch)[1:-1]
+            elif ch == '"':
+                self.in_string = True
+            out.append(ch)
+        return "".join(out)
+
+
 @dataclass
 class ParsedCall:
     id: str
@@ -255,7 +282,7 @@ def parse_call(inner: str) -> ParsedCall | None:
     """The call written between the tags, or None if it is not one. The arguments keep the model's own
     text when it is the object the call holds (so a client that sends them back repeats the same tokens)."""
     try:
-        obj = json.loads(inner)
+        obj = json.loads(inner, strict=False)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -263,7 +290,7 @@ def parse_call(inner: str) -> ParsedCall | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except json.JSONDecodeError:
             return None
     if not isinstance(arguments, dict):
@@ -273,7 +300,7 @@ def parse_call(inner: str) -> ParsedCall | None:
     if head:
         raw = inner[head.end():].rstrip()
         if raw.endswith("}"):
-            raw = raw[:-1].rstrip()
+            raw = ControlCharEscaper().feed(raw[:-1].rstrip())
             try:
                 if json.loads(raw) == arguments:
                     text = raw
@@ -334,6 +361,7 @@ class ToolCallStream:
     calls: int = 0
     content_sent: bool = False
     events: list[StreamEvent] = field(default_factory=list)
+    escaper: ControlCharEscaper = field(default_factory=ControlCharEscaper)
 
     def feed(self, text: str) -> list[StreamEvent]:
         self.buffer += text
@@ -351,7 +379,7 @@ class ToolCallStream:
             call = parse_call(self.buffer)
             if call is not None:
                 self._call(call.name, call.id)
-                self._emit_arguments(call.arguments)
+                self._emit_arguments(call.arguments, raw=False)
             else:
                 self._content(CALL_OPEN + self.buffer)
         elif len(self.buffer) > self.sent:  # cut short (length): the client gets all the model wrote
@@ -369,8 +397,11 @@ class ToolCallStream:
     def _call(self, name: str, call_id: str | None = None) -> None:
         self.events.append(StreamEvent("call", index=self.calls, id=call_id or new_call_id(), name=name))
         self.calls += 1
+        self.escaper = ControlCharEscaper()
 
-    def _emit_arguments(self, text: str) -> None:
+    def _emit_arguments(self, text: str, raw: bool = True) -> None:
+        """`raw`: the model's text, escaped on the way; otherwise arguments parse_call already made valid."""
+        text = self.escaper.feed(text) if raw else text
         if text:
             self.events.append(StreamEvent("arguments", text, index=self.calls - 1))
 
@@ -405,7 +436,7 @@ class ToolCallStream:
                 call = parse_call(self.buffer[:close])
                 if call is not None:
                     self._call(call.name, call.id)
-                    self._emit_arguments(call.arguments)
+                    self._emit_arguments(call.arguments, raw=False)
                 else:
                     self._content(CALL_OPEN + self.buffer[:close + len(CALL_CLOSE)])
                 self.buffer = self.buffer[close + len(CALL_CLOSE):]
