@@ -139,9 +139,10 @@ class GrammarMatchers:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-        for i, matcher in enumerate(matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
-        apply_bitmask_(logits, bitmask, rows)
+        # a row whose grammar allows every token now (free text before a tool call) needs no mask
+        masked = [i for i, matcher in enumerate(matchers) if matcher.fill_next_token_bitmask(bitmask, i)]
+        if masked:
+            apply_bitmask_(logits, bitmask[masked] if len(masked) < len(rows) else bitmask, [rows[i] for i in masked])
 
     def accept(self, request_id: str, token: int) -> None:
         matcher = self._matchers.get(request_id)

@@ -133,3 +133,25 @@ def test_schemas_that_cannot_compile_are_a_clear_client_error(grammars, schema, 
 def test_constrained_output_refuses_ignore_eos(grammars):
     with pytest.raises(InvalidRequest, match="ignore_eos"):
         SamplingParams(ignore_eos=True, grammar=grammars.compile(schema_constraint())).validate()
+
+
+def test_free_text_before_a_tool_call_is_sampled_from_the_raw_logits(grammars, tokenizer):
+    """tool_choice auto: until the model writes "<tool_call>" every token is allowed, so the row is not masked;
+    a JSON row in the same batch is."""
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+        {"type": "tag", "begin": '<tool_call>\n{"name": "f", "arguments": ',
+         "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "}\n</tool_call>"}]}}
+    auto = grammars.compile(Constraint("structural_tag", json.dumps(tag), "tools"))
+    json_row = grammars.compile(schema_constraint())
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    sampler = Sampler()
+    for step in range(5):
+        logits = torch.randn(2, len(tokenizer), generator=gen)
+        logits[:, tokenizer.convert_tokens_to_ids("<")] = -50.0  # stay in free text
+        tokens = sampler.sample(logits, ["auto", "json"], [SamplingParams(temperature=0.0, grammar=auto),
+                                                             SamplingParams(temperature=0.0, grammar=json_row)])
+        assert tokens[0] == int(logits[0].argmax())
+        if step == 0:
+            assert tokenizer.decode([tokens[1]]).startswith("{")
