@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen import cli
 from loadgen.errors import UsageError
 from loadgen.workloads import WORKLOAD_NAMES, WorkloadConfig, build_workload, parse_workload_names
 from loadgen.workloads.agent_sdk import NAME, ToolBox, steps_that_fit
-from server_process import running_server
+from server_process import metric, running_server, scrape
 
 STEPS = 3
 REQUESTS = 5  # two tasks: 3 steps, then 2
@@ -43,23 +41,17 @@ def test_tool_outputs_are_fixed_by_the_call():
     assert 150 < len(box.answer("get_weather", city="Oslo")) < 260
 
 
-def _counters(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name.startswith("kvreuse_") and s.name.endswith("_total")}
-
-
 @pytest.fixture(scope="module")
 def run(tiny_llama_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("agent-sdk-server") / "server.log"
     out = tmp_path_factory.mktemp("agent-sdk-report")
     with running_server(tiny_llama_path, log, "--block-size", "16", "--max-model-len", "4096") as url:
-        before = _counters(url)
+        before = scrape(url)
         code = cli.main(["run", "--server", url, "--workload", NAME, "--out", str(out), "--compare", "--no-progress",
                          "--requests", str(REQUESTS), "--turns", str(STEPS), "--concurrency", "2", "--warmup", "0",
                          "--system-tokens", "60", "--tool-output-tokens", "40", "--chars-per-token", "1.2",
                          "--max-prompt-tokens", "3500", "--model-params", "1e6"])
-        after = _counters(url)
+        after = scrape(url)
     report = json.loads((out / "report.json").read_text())
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     return code, report["workloads"][NAME], records, before, after, out
@@ -76,7 +68,7 @@ def test_every_step_is_a_request_the_report_counts_as_the_server_did(run):
     assert w["baseline"]["cached_tokens"] == 0
     for name, field in (("kvreuse_prompt_tokens_total", "prompt_tokens"),
                         ("kvreuse_generation_tokens_total", "completion_tokens")):
-        assert after[name] - before[name] == w[field] + w["baseline"][field]
+        assert metric(after, name) - metric(before, name) == w[field] + w["baseline"][field]
     assert "## agent-sdk: reuse per step" in (out / "report.md").read_text()
 
 
