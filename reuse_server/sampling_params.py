@@ -34,7 +34,7 @@ class SamplingParams:
     # when positive, multiplied when negative
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    # a compiled grammar (structured_output.GrammarCompiler) the output must match: JSON, tool calls
+    # a structured_output.Grammar the output must match: JSON, tool calls
     grammar: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, max_new_tokens_allowed: int | None = None) -> None:

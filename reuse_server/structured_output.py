@@ -9,6 +9,12 @@ of api/tools.py) by masking, before each sampled token, every token the grammar 
   for all of a batch's constrained rows and applies it to their logits in one operation, and advances a
   request's matcher by each token sampled for it. A preempted request keeps its output tokens, so its
   matcher stays valid; the sampler's `forget` drops it when the request ends.
+- Text the grammar forces (a tool call's `<tool_call>\n{"name": "f", "arguments": `) is written in the
+  tokenizer's own tokens: the mask lets through only the first token of the forced text's tokenization,
+  not every prefix of it. A model left to choose splits it its own way (`s`, `ear`, `ch` for `search`);
+  the client sends the call back as text, which the next prompt tokenizes the usual way, and the prefix
+  cache matches only as far as both agree. The forced text's last token is left to the model: it may merge
+  with what follows.
 
 xgrammar rather than llguidance: both install without touching torch, and on SmolLM2's 49,152-token
 vocabulary xgrammar filled a row's mask several times faster (benchmarks/bench_structured.py). Its own
@@ -20,7 +26,7 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -40,6 +46,14 @@ class Constraint:
     kind: Literal["json_schema", "json_object", "structural_tag"]
     text: str
     param: str  # the request field it came from, for error messages
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled constraint, with the tokenizer's encoder for the text it forces."""
+
+    compiled: Any  # xgrammar.CompiledGrammar
+    encode: Callable[[str], list[int]]
 
 
 class GrammarCompiler:
@@ -64,19 +78,24 @@ class GrammarCompiler:
                                                      cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             return self._compiler
 
-    def compile(self, constraint: Constraint):
+    def compile(self, constraint: Constraint) -> Grammar:
         """The compiled grammar; InvalidRequest (a 400) when the schema or tag cannot be compiled."""
         compiler = self._xgr_compiler()
         try:
             if constraint.kind == "structural_tag":
-                return compiler.compile_structural_tag(constraint.text)
-            # One line with ", " and ": " (as json.dumps writes it): a small model given free whitespace can
-            # spend its whole budget on newlines.
-            return compiler.compile_json_schema(constraint.text, any_whitespace=False,
-                                                strict_mode=constraint.kind == "json_schema")
+                compiled = compiler.compile_structural_tag(constraint.text)
+            else:
+                # One line with ", " and ": " (as json.dumps writes it): a small model given free whitespace can
+                # spend its whole budget on newlines.
+                compiled = compiler.compile_json_schema(constraint.text, any_whitespace=False,
+                                                        strict_mode=constraint.kind == "json_schema")
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequest(f"{constraint.param}: cannot use this schema: {_library_message(exc)}",
                                  constraint.param) from None
+        return Grammar(compiled, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def _library_message(exc: Exception) -> str:
@@ -108,6 +127,23 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
         logits.index_put_((index,), logits[index] + bias)
 
 
+def _only_canonical_token(matcher, encode: Callable[[str], list[int]], row: torch.Tensor) -> bool:
+    """Narrow the row's mask to the first token of the forced text's own tokenization, if the grammar forces
+    text that takes more than one token; whether it did."""
+    forced = matcher.find_jump_forward_string()
+    if not forced:
+        return False
+    tokens = encode(forced)
+    if len(tokens) < 2:
+        return False
+    word, bit = divmod(tokens[0], 32)
+    if word >= row.numel() or not (int(row[word]) >> bit) & 1:  # not a token the grammar allows: leave it be
+        return False
+    row.zero_()
+    row[word] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # as an int32
+    return True
+
+
 class GrammarMatchers:
     """Per-request grammar state for the sampler."""
 
@@ -117,16 +153,16 @@ class GrammarMatchers:
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def _matcher(self, request_id: str, grammar: Any):
+    def _matcher(self, request_id: str, grammar: Grammar):
         if request_id not in self._matchers:
             import xgrammar as xgr
 
-            self._matchers[request_id] = xgr.GrammarMatcher(grammar)
+            self._matchers[request_id] = xgr.GrammarMatcher(grammar.compiled)
         return self._matchers[request_id]
 
-    def mask_(self, logits: torch.Tensor, request_ids: list[str], grammars: list[Any]) -> None:
+    def mask_(self, logits: torch.Tensor, request_ids: list[str], grammars: list[Grammar | None]) -> None:
         """Mask, in place, the rows whose grammar is not None (and not already complete)."""
-        rows, matchers = [], []
+        rows, matchers, encoders = [], [], []
         for row, (rid, grammar) in enumerate(zip(request_ids, grammars)):
             if grammar is None:
                 continue
@@ -134,13 +170,17 @@ class GrammarMatchers:
             if matcher is not None and not matcher.is_terminated():
                 rows.append(row)
                 matchers.append(matcher)
+                encoders.append(grammar.encode)
         if not rows:
             return
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-        # a row whose grammar allows every token now (free text before a tool call) needs no mask
-        masked = [i for i, matcher in enumerate(matchers) if matcher.fill_next_token_bitmask(bitmask, i)]
+        masked = []
+        for i, (matcher, encode) in enumerate(zip(matchers, encoders)):
+            # a row whose grammar allows every token now (free text before a tool call) needs no mask
+            if matcher.fill_next_token_bitmask(bitmask, i) | _only_canonical_token(matcher, encode, bitmask[i]):
+                masked.append(i)
         if masked:
             apply_bitmask_(logits, bitmask[masked] if len(masked) < len(rows) else bitmask, [rows[i] for i in masked])
 

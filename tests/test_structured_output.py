@@ -155,3 +155,22 @@ def test_free_text_before_a_tool_call_is_sampled_from_the_raw_logits(grammars, t
         assert tokens[0] == int(logits[0].argmax())
         if step == 0:
             assert tokenizer.decode([tokens[1]]).startswith("{")
+
+
+def test_forced_text_comes_in_the_tokenizers_own_tokens(grammars, tokenizer):
+    """When the grammar allows only one text, the model may still split it many ways; the mask lets only the
+    tokenizer's own split through (all but the last token, which may merge with what follows), so a client
+    that sends the text back, tokenized the usual way, repeats the same tokens."""
+    text = "The quick brown fox jumps over the lazy dog."
+    grammar = grammars.compile(schema_constraint({"enum": [text]}))
+    canonical = tokenizer.encode(json.dumps(text), add_special_tokens=False)
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    sampler, out = Sampler(), []
+    while not out or out[-1] != tokenizer.eos_token_id:
+        logits = torch.randn(1, len(tokenizer), generator=gen) * 5
+        out += sampler.sample(logits, ["r"], [SamplingParams(temperature=1.0, seed=seed, grammar=grammar)])
+        assert len(out) <= len(canonical) + 1
+    assert tokenizer.decode(out[:-1]) == json.dumps(text)
+    assert out[:len(canonical) - 1] == canonical[:-1]

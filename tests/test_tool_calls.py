@@ -186,7 +186,7 @@ def accepts(grammars, constraint, text: str, then_eos: bool = True) -> bool:
     """Whether the compiled constraint accepts `text` (as a string) and then the end of the output."""
     import xgrammar as xgr
 
-    matcher = xgr.GrammarMatcher(grammars.compile(constraint))
+    matcher = xgr.GrammarMatcher(grammars.compile(constraint).compiled)
     ok = matcher.accept_string(text)
     return ok and (matcher.accept_token(grammars._stop_token_ids[0]) if then_eos else True)
 
