@@ -61,7 +61,7 @@ TOOLS_POSTAMBLE = (
 class ToolSettings:
     """What a request asks of tool calling. `function`: the one function tool_choice names, if it names one."""
 
-    tools: tuple[dict, ...]  # the definitions as the client sent them (key order kept: it is prompt text)
+    tools: tuple[dict, ...]  # the definitions, known fields only: the same prompt text on every step
     choice: Literal["none", "auto", "required", "function"]
     parallel: bool
     function: str | None = None
