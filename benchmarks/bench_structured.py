@@ -3,7 +3,9 @@
 1. In one process, the grammar libraries alone: replaying the tokens of a JSON document that matches a
    schema, per step the time to fill each row's token bitmask, to apply the batch's mask to the logits
    (structured_output.apply_bitmask_), and to advance each row's matcher; xgrammar, and llguidance when it is
-   installed (it is not a dependency: `pip install llguidance` to compare). Also each library's compile time.
+   installed (it is not a dependency: `pip install llguidance` to compare). Also each library's compile time,
+   and the sampler's whole grammar step as the server runs it (structured_output.GrammarMatchers: matchers,
+   masks, the tokenizer's own tokens for forced text, accepting the token).
 2. Over HTTP, the served model: the time per generated token (after the first) of streamed chat answers,
    free text against JSON held to a schema, alternated, one at a time and `--concurrency` at once.
    The JSON schema asks for a fixed number of short strings, so both kinds write a similar number of tokens.
@@ -26,7 +28,7 @@ import torch
 
 from benchmarks.bench_ttft import served_model, server_process
 from reuse_server.model.loader import load_tokenizer, resolve_model
-from reuse_server.structured_output import apply_bitmask_
+from reuse_server.structured_output import Constraint, GrammarCompiler, GrammarMatchers, apply_bitmask_
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
@@ -158,6 +160,25 @@ def library_costs(repeats: int, batches: list[int]) -> None:
     for (name, batch), rows in samples.items():
         emit(kind="mask", library=name, batch=batch, vocab=vocab, document_tokens=len(tokens), repeats=repeats,
              **{k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]})
+    sampler_costs(tokenizer, tokens, repeats, batches)
+
+
+def sampler_costs(tokenizer, tokens: list[int], repeats: int, batches: list[int]) -> None:
+    grammar = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        Constraint("json_schema", json.dumps(SCHEMA), "response_format"))
+    for batch in batches:
+        steps = []
+        for _ in range(repeats):
+            matchers, logits = GrammarMatchers(), torch.zeros(batch, len(tokenizer))
+            rids = [f"r{i}" for i in range(batch)]
+            t0 = time.thread_time()
+            for token in tokens:
+                matchers.mask_(logits, rids, [grammar] * batch)
+                for rid in rids:
+                    matchers.accept(rid, token)
+            steps.append((time.thread_time() - t0) / len(tokens))
+        emit(kind="sampler", batch=batch, us_per_step=us(statistics.median(steps)),
+             us_per_row=us(statistics.median(steps) / batch))
 
 
 def per_token_seconds(client, model: str, constrained: bool) -> tuple[float, int]:
