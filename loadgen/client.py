@@ -12,8 +12,9 @@ import httpx
 import openai
 
 from loadgen.errors import UsageError
+from loadgen.http_recorder import RecordingTransport
 from loadgen.results import RequestResult
-from loadgen.workloads.spec import RequestSpec
+from loadgen.workloads.spec import RequestSpec, Session
 
 
 def normalize_server_url(url: str) -> str:
@@ -58,7 +59,11 @@ class CacheMode:
     cache_salt: str | None = None
 
     def extra_body(self) -> dict:
-        body: dict = {"ignore_eos": True}
+        """For the scripted workloads, whose answers are only timed: each generates all its max_tokens."""
+        return {"ignore_eos": True, **self.cache_body()}
+
+    def cache_body(self) -> dict:
+        body: dict = {}
         if not self.prefix_cache:
             body["prefix_cache"] = False
         if self.kv_blend is not None:
@@ -103,9 +108,11 @@ def _chunk_has_text(chunk, chat: bool) -> bool:
 
 class LoadClient:
     def __init__(self, server: str, model: str, mode: CacheMode, timeout_s: float, seed: int = 0):
+        self.server = server
         self.model = model
         self.mode = mode
         self.seed = seed
+        self.timeout_s = timeout_s
         self._client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="loadgen", max_retries=0,
                                           timeout=timeout_s,
                                           http_client=httpx.AsyncClient(timeout=timeout_s,
@@ -148,6 +155,29 @@ class LoadClient:
                 if result.ttft_s is None and first_chunk is not None:  # only empty-text tokens came back
                     result.ttft_s = first_chunk - sent
         return result
+
+
+    async def drive(self, session: Session, phase_start: float, deadline: float) -> tuple[list[RequestResult], int]:
+        """Run a session whose requests a program decides (session.driver) with an openai client of its own,
+        each of its chat requests measured on the way (http_recorder). Returns the results and how many of
+        the planned requests were not sent."""
+        results: list[RequestResult] = []
+        transport = RecordingTransport(httpx.AsyncHTTPTransport(), session.id, phase_start, deadline, results)
+        async with httpx.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
+            client = openai.AsyncOpenAI(base_url=f"{self.server}/v1", api_key="loadgen", max_retries=0,
+                                        timeout=self.timeout_s, http_client=http)
+            try:
+                await session.driver(client, self.model, self.mode.cache_body())
+            except Exception as exc:  # noqa: BLE001 - whatever stopped the program is the session's outcome
+                if not transport.refused and (not results or results[-1].error is None):
+                    failed = results[-1] if results and results[-1].ok else None
+                    message = f"{type(exc).__name__}: {exc}"[:300]
+                    if failed is None:
+                        results.append(RequestResult(session=session.id, turn=len(results), ok=False,
+                                                     start_s=time.perf_counter() - phase_start, error=message))
+                    else:  # the answer came back but the program could not use it (e.g. a malformed call)
+                        failed.ok, failed.error = False, message
+        return results, max(0, session.planned - len(results))
 
 
 def _message(exc: openai.APIStatusError) -> str:

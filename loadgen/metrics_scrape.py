@@ -16,6 +16,9 @@ COUNTERS = {
     "blended_tokens": "kvreuse_blended_tokens_total",
     "recomputed_tokens": "kvreuse_recomputed_tokens_total",
     "evicted_blocks": "kvreuse_evicted_blocks_total",
+    # the server's own time to first token (arrival to the first sampled token), as a sum and a count
+    "ttft_seconds_sum": "kvreuse_time_to_first_token_seconds_sum",
+    "first_tokens": "kvreuse_time_to_first_token_seconds_count",
 }
 RUNNING = "kvreuse_requests_running"
 

@@ -67,6 +67,7 @@ def summarize(results: list[RequestResult], wall_s: float, flops_per_token: floa
             "flops_avoided": cached * flops_per_token,
             "avoided_fraction": _ratio(cached, prompt),
         },
+        "by_turn": by_turn(ok),
         "error_samples": sorted({r.error for r in results if r.error})[:5],
         "samples": {
             "ttft_ms": ttft_ms,
@@ -76,6 +77,21 @@ def summarize(results: list[RequestResult], wall_s: float, flops_per_token: floa
                          for r in sorted(ok, key=lambda r: r.end_s)],
         },
     }
+
+
+def by_turn(ok: list[RequestResult]) -> list[dict]:
+    """Reuse and TTFT per turn (an agent's step, a conversation's turn) over the sessions."""
+    turns: dict[int, list[RequestResult]] = {}
+    for r in ok:
+        turns.setdefault(r.turn, []).append(r)
+    out = []
+    for turn in sorted(turns):
+        rs = turns[turn]
+        prompt, cached = sum(r.prompt_tokens for r in rs), sum(r.cached_tokens for r in rs)
+        out.append({"turn": turn, "requests": len(rs), "prompt_tokens": prompt, "cached_tokens": cached,
+                    "reuse_rate": _ratio(cached, prompt),
+                    "ttft_ms_p50": percentiles([r.ttft_s * 1000 for r in rs if r.ttft_s is not None])["p50"]})
+    return out
 
 
 def speedup(cached: dict, baseline: dict) -> dict[str, float | None]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 PREFIX_HELPS_BELOW = 0.5  # prefix hit rate under which a workload is listed as blending's job
+PER_STEP_WORKLOADS = ("agent-sdk",)  # reported step by step as well
 
 WHY_PREFIX_FAILS = {
     "agent-loop-timestamp": "a clock line near the top of the system prompt changes every step, so the prefix ends there "
@@ -14,6 +15,8 @@ WHY_PREFIX_FAILS = {
                    "prefix (blending's job)",
     "multi-turn": "returning users find their history evicted when the cache is small (a capacity problem, not an "
                   "ordering one)",
+    "agent-sdk": "the agent's calls are written back into the history as the client rebuilds them, which the "
+                 "tokenizer may split differently from the tokens the model generated",
     "trace": "most requests share few blocks with earlier ones (the trace's ceiling with full-block prefix sharing and "
              "unlimited capacity is about 37%)",
 }
@@ -92,6 +95,17 @@ def _server_rows(workloads: dict) -> list[list[str]]:
     return rows
 
 
+def _step_rows(w: dict) -> list[list[str]]:
+    base = {t["turn"]: t for t in (w.get("baseline") or {}).get("by_turn", [])}
+    rows = []
+    for t in w.get("by_turn", []):
+        b = base.get(t["turn"])
+        speed = b["ttft_ms_p50"] / t["ttft_ms_p50"] if b and b["ttft_ms_p50"] and t["ttft_ms_p50"] else None
+        rows.append([str(t["turn"]), num(t["requests"]), num(t["prompt_tokens"] / t["requests"]), pct(t["reuse_rate"]),
+                     ms(t["ttft_ms_p50"]), ms(b["ttft_ms_p50"]) if b else "-", times(speed) if b else "-"])
+    return rows
+
+
 def render_markdown(report: dict, plot_files: list[str]) -> str:
     meta = report.get("meta", {})
     workloads = report["workloads"]
@@ -125,6 +139,12 @@ def render_markdown(report: dict, plot_files: list[str]) -> str:
               "Report totals (from per-response usage) / the server's `/metrics` deltas over the cached phase.", ""]
     lines += _table(["workload", "prompt tokens", "prefix hit tokens", "blended tokens", "evicted blocks", "agree"],
                     _server_rows(workloads))
+    for name in (n for n in PER_STEP_WORKLOADS if n in workloads and workloads[n].get("by_turn")):
+        lines += ["", f"## {name}: reuse per step", "",
+                  "Step k of every task: mean prompt tokens, share served from cache, TTFT p50 in ms (cached, "
+                  "baseline) and the speedup.", ""]
+        lines += _table(["step", "requests", "prompt tokens", "reuse rate", "TTFT ms", "baseline TTFT ms",
+                         "TTFT speedup"], _step_rows(workloads[name]))
     weak = [(n, w) for n, w in workloads.items() if w["prefix_hit_rate"] is not None and w["prefix_hit_rate"] < PREFIX_HELPS_BELOW]
     lines += ["", "## Where prefix reuse cannot help", ""]
     if weak:

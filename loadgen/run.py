@@ -24,7 +24,8 @@ from loadgen.metrics_scrape import counter_deltas, scrape
 from loadgen.render import render_outputs
 from loadgen.report import DEFAULT_MODEL_PARAMS, summarize, workload_entry, write_json
 from loadgen.runner import PhaseResult, run_phase
-from loadgen.workloads import WORKLOAD_NAMES, Workload, WorkloadConfig, build_workload, parse_workload_names
+from loadgen.workloads import (LIVE_BUILDERS, WORKLOAD_NAMES, Workload, WorkloadConfig, build_workload,
+                               parse_workload_names)
 from loadgen.workloads.spec import RequestSpec, Session
 
 
@@ -67,7 +68,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "run", help="drive a server with workloads and write a hit-rate report",
         description="Drive an OpenAI-compatible server with cache-reuse workloads and write DIR/report.json, "
-                    "DIR/report.md and plots. Workloads: " + ", ".join(WORKLOAD_NAMES) + " (or all).")
+                    "DIR/report.md and plots. Workloads: " + ", ".join(WORKLOAD_NAMES) + " (or all), and "
+                    + ", ".join(LIVE_BUILDERS) + " (a real agent framework; only by name).")
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", required=True, help="comma-separated workload names, or all")
     p.add_argument("--out", required=True, type=Path, help="directory for report.json, report.md and plots")
@@ -86,11 +88,11 @@ def register(subparsers) -> None:
     p.add_argument("--chars-per-token", type=positive_float, default=4.0,
                    help="characters per token for the prompt-size estimate (default 4, English BPE)")
     p.add_argument("--agents", type=positive_int, default=4, help="agent-loop: agents (default 4)")
-    p.add_argument("--turns", type=positive_int, default=12, help="agent-loop, multi-turn: turns per session at most (default 12)")
+    p.add_argument("--turns", type=positive_int, default=12, help="agent-loop, multi-turn: turns per session at most; agent-sdk: steps per task (default 12)")
     p.add_argument("--system-tokens", type=positive_int, default=800,
-                   help="agent-loop: system prompt with tool definitions (default 800)")
+                   help="agent-loop: system prompt with tool definitions; agent-sdk: the instructions (default 800)")
     p.add_argument("--tool-output-tokens", type=positive_int, default=120,
-                   help="agent-loop: tool output tokens per step (default 120)")
+                   help="agent-loop, agent-sdk: tool output tokens per step (default 120)")
     p.add_argument("--docs-file", type=Path,
                    help="rag-shuffle, shared-doc: text, one document per line (default ../shared/data/docs/lee_background.cor)")
     p.add_argument("--doc-tokens", type=positive_int, default=1024,
@@ -165,7 +167,7 @@ async def _phase(label: str, workload: Workload, server: str, model: str, mode: 
                  http: httpx.AsyncClient) -> tuple[PhaseResult, dict]:
     before = await scrape(http, server)
     client = LoadClient(server, model, mode, timeout_s=args.request_timeout, seed=args.seed)
-    total = len(workload.requests)
+    total = workload.planned_requests
     try:
         with tqdm(total=total, desc=f"{workload.name} ({label})", unit="req", file=sys.stderr,
                   disable=True if args.no_progress else None, dynamic_ncols=True) as bar:

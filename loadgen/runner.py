@@ -36,6 +36,13 @@ async def run_phase(sessions: list[Session], client: LoadClient, concurrency: in
         try:
             if session.after is not None and session.after in done:
                 await done[session.after].wait()
+            if session.driver is not None:
+                driven, skipped = await client.drive(session, start, deadline)
+                results.extend(driven)
+                unsent += skipped
+                if progress is not None:
+                    progress.update(len(driven))
+                return
             for i, spec in enumerate(session.requests):
                 if spec.arrival_s is not None:
                     delay = start + spec.arrival_s - time.perf_counter()

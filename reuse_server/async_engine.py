@@ -94,6 +94,14 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def vocab_size(self) -> int:  # the model's logits, which may be more than the tokenizer's tokens
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.engine.eos_ids)
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_sequence_tokens
 

@@ -1,18 +1,21 @@
-"""Turn a batch of next-token logits into tokens: penalties and logit bias, then greedy, temperature, top-k,
-top-p, per-request seeds."""
+"""Turn a batch of next-token logits into tokens: penalties and logit bias, grammar masks (constrained
+output), then greedy, temperature, top-k, top-p, per-request seeds."""
 from __future__ import annotations
 
 import torch
 
 from reuse_server.sampling_params import SamplingParams
+from reuse_server.structured_output import GrammarMatchers
 
 
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._grammars = GrammarMatchers()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._grammars.forget(request_id)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
@@ -28,12 +31,15 @@ class Sampler:
         """logits: [N, vocab] fp32 on any device; histories: per row (prompt ids, output ids so far), needed
         when a row's params have penalties. Returns one token id per row."""
         logits = logits.float().cpu()
-        if any(p.adjusts_logits for p in params):
+        constrained = any(p.grammar is not None for p in params)
+        if constrained or any(p.adjusts_logits for p in params):
             logits = logits.clone()
             for row, p in enumerate(params):
                 if p.adjusts_logits:
                     prompt_ids, output_ids = histories[row] if histories is not None else ([], [])
                     adjust_logits(logits[row], p, prompt_ids, output_ids)
+        if constrained:
+            self._grammars.mask_(logits, request_ids, [p.grammar for p in params])
         out: list[int] = []
         greedy = logits.argmax(dim=-1).tolist()
         for row, (rid, p) in enumerate(zip(request_ids, params)):
@@ -41,6 +47,10 @@ class Sampler:
                 out.append(greedy[row])
                 continue
             out.append(self._sample_row(logits[row], p, self._generator(rid, p)))
+        if constrained:
+            for rid, p, token in zip(request_ids, params, out):
+                if p.grammar is not None:
+                    self._grammars.accept(rid, token)
         return out
 
     @staticmethod

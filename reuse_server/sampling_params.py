@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidRequest(ValueError):
@@ -33,6 +34,8 @@ class SamplingParams:
     # when positive, multiplied when negative
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # a structured_output.Grammar the output must match: JSON, tool calls
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, max_new_tokens_allowed: int | None = None) -> None:
         if self.max_tokens < 1:
@@ -69,6 +72,10 @@ class SamplingParams:
             raise InvalidRequest("At most 4 stop sequences are allowed.", "stop")
         if any(s == "" for s in self.stop):
             raise InvalidRequest("Stop sequences must not be empty.", "stop")
+        if self.grammar is not None and self.ignore_eos:
+            # a complete grammar allows nothing but the end of the output
+            raise InvalidRequest("ignore_eos cannot be combined with constrained output (response_format, "
+                                 "tool_choice 'required' or a named tool).", "ignore_eos")
 
     @property
     def greedy(self) -> bool:

@@ -164,6 +164,23 @@ def test_server_default_blends_and_ordinary_traffic_fills_the_index(server, clie
     assert details(later)[1] == 0
 
 
+def test_tool_outputs_are_chunks_blending_reuses_when_an_agent_reorders_them(server, client, tokenizer):
+    """An agent step with two parallel calls sends their outputs back in another order the next time: the
+    prefix ends at the first output, and both outputs are blended from where they were before."""
+    outputs = passages()[:2]
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "lookup", "arguments": f'{{"i": {i}}}'}}
+             for i in range(2)]
+    def step(order):
+        messages = [{"role": "user", "content": "Look both up."}, {"role": "assistant", "tool_calls": calls}]
+        messages += [{"role": "tool", "tool_call_id": f"call_{i}", "content": outputs[i]} for i in order]
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                              extra_body={"kv_blend": {"recompute_ratio": 0.0}})
+
+    assert details(step([0, 1]))[1] == 0  # nothing to blend yet; the outputs are filed as chunks
+    reordered = step([1, 0])
+    assert details(reordered)[1] >= sum(len(encode(tokenizer, o)) for o in outputs)
+
+
 def test_cache_salt_separates_precomputed_documents(server, client, tokenizer):
     docs = passages()
     precompute(server, docs, cache_salt="tenant-a")

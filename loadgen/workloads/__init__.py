@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Callable
 
 from loadgen.errors import UsageError
-from loadgen.workloads import agent_loop, multi_turn, rag_shuffle, shared_doc, trace
+from loadgen.workloads import agent_loop, agent_sdk, multi_turn, rag_shuffle, shared_doc, trace
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
 
+# Workloads written in advance from the seed: `all` runs these.
 BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
     **{name: agent_loop.build for name in agent_loop.VARIANTS},
     "rag-shuffle": rag_shuffle.build,
@@ -15,6 +16,8 @@ BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
     "trace": trace.build,
 }
 WORKLOAD_NAMES = tuple(BUILDERS)
+# Workloads whose prompts depend on the model's answers (a real agent framework), run only when named.
+LIVE_BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {agent_sdk.NAME: agent_sdk.build}
 
 
 def parse_workload_names(text: str) -> list[str]:
@@ -22,15 +25,16 @@ def parse_workload_names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(WORKLOAD_NAMES)
-    unknown = [n for n in names if n not in BUILDERS]
+    unknown = [n for n in names if n not in BUILDERS and n not in LIVE_BUILDERS]
     if unknown or not names:
-        raise UsageError(f"unknown workload {', '.join(unknown) or repr(text)}; choose from {', '.join(WORKLOAD_NAMES)} or all")
+        raise UsageError(f"unknown workload {', '.join(unknown) or repr(text)}; choose from "
+                         f"{', '.join(WORKLOAD_NAMES + tuple(LIVE_BUILDERS))} or all")
     return list(dict.fromkeys(names))
 
 
 def build_workload(name: str, config: WorkloadConfig) -> Workload:
-    return BUILDERS[name](name, config)
+    return {**BUILDERS, **LIVE_BUILDERS}[name](name, config)
 
 
-__all__ = ["BUILDERS", "WORKLOAD_NAMES", "RequestSpec", "Session", "Workload", "WorkloadConfig",
+__all__ = ["BUILDERS", "LIVE_BUILDERS", "WORKLOAD_NAMES", "RequestSpec", "Session", "Workload", "WorkloadConfig",
            "build_workload", "parse_workload_names"]

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+# A program that sends a session's requests itself (an agent framework): called with an openai AsyncOpenAI
+# client, the model id and the extra body fields that select the phase's cache settings.
+SessionDriver = Callable[[Any, str, dict], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -29,11 +34,15 @@ class RequestSpec:
 
 @dataclass
 class Session:
-    """Requests sent one after another (each turn waits for the previous answer)."""
+    """Requests sent one after another (each turn waits for the previous answer). A session with a `driver`
+    has no requests written in advance: the driver decides them as it goes (their prompts depend on the
+    model's answers), up to `planned` of them."""
 
     id: str
     requests: list[RequestSpec]
     after: str | None = None  # id of a session that must finish before this one starts
+    driver: SessionDriver | None = None
+    planned: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,3 +84,7 @@ class Workload:
     @property
     def requests(self) -> list[RequestSpec]:
         return [r for s in self.sessions for r in s.requests]
+
+    @property
+    def planned_requests(self) -> int:
+        return sum(s.planned if s.driver is not None else len(s.requests) for s in self.sessions)

@@ -11,6 +11,7 @@ from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
 from reuse_server.metrics import ServerMetrics
+from reuse_server.structured_output import GrammarCompiler
 
 
 def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSettings | None = None) -> FastAPI:
@@ -35,6 +36,7 @@ def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSet
     app.state.settings = settings
     app.state.api_keys = settings.api_keys
     app.state.tokenizing = tokenizing
+    app.state.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     install_error_handlers(app)
     app.include_router(router)
     app.openapi = lambda: _openapi(app)

@@ -11,11 +11,15 @@ from jinja2 import TemplateError
 
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
+from reuse_server.api.tools import ToolSettings, for_template
 from reuse_server.sampling_params import InvalidRequest
+
+NO_TOOLS = ToolSettings((), "none", True)
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them; list content stays a list of text parts."""
+    """The messages as the chat template takes them; list content stays a list of text parts; tool calls and
+    tool call ids as OpenAI sends them (api/tools.py fits them to the template)."""
     out = []
     for m in messages:
         # chat templates predate OpenAI's "developer" role; it is the system message under a new name
@@ -25,16 +29,21 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
             entry["content"] = [{"type": "text", "text": part["text"]} for part in m.content]
         if m.name is not None:
             entry["name"] = m.name
+        if m.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
     return out
 
 
-def render_chat_prompt(tokenizer, messages: list[ChatMessage]) -> PromptChunks:
+def render_chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolSettings = NO_TOOLS) -> PromptChunks:
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("The served model has no chat template; use /v1/completions instead.", "messages")
+    rendered, template_kwargs = for_template(tokenizer, conversation(messages), tools)
     try:
-        chunks = render_chat_chunks(tokenizer, conversation(messages), add_generation_prompt=True,
-                                    part_separator=PART_SEPARATOR)
+        chunks = render_chat_chunks(tokenizer, rendered, add_generation_prompt=True,
+                                    part_separator=PART_SEPARATOR, **template_kwargs)
     except TemplateError as exc:  # e.g. a template that insists roles alternate
         raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "messages") from exc
     return from_chunks(chunks)

@@ -11,9 +11,11 @@ from fastapi.responses import Response
 from blend.chunking import split_by_separator, tokenize_chunks
 
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
-                                         generate_choices, sampling_params, sse_events, usage_from)
+                                         compile_constraint, generate_choices, sampling_params, sse_events,
+                                         usage_from)
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from reuse_server.api.tools import output_constraint
 from reuse_server.outputs import RequestOutput, TokenLogprob
 from reuse_server.sampling_params import InvalidRequest
 
@@ -64,6 +66,7 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
     prompt_ids, chunk_spans = await tokenizing.run(completion_prompt, tokenizing.tokenizer_for(request.state.tenant),
                                                    body.prompt, engine.config.blend_separator)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    params.grammar = await compile_constraint(request, output_constraint(None, body.response_format))
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
 
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -20,6 +20,7 @@ from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNot
 from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
 from reuse_server.outputs import RequestOutput
 from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.structured_output import Constraint
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -63,6 +64,14 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
     )
     params.validate()
     return params
+
+
+async def compile_constraint(request: Request, constraint: Constraint | None):
+    """The compiled grammar for a request's constraint (None: unconstrained), compiled on a worker thread so
+    that neither the event loop nor the engine waits for it; the server's GrammarCompiler caches it."""
+    if constraint is None:
+        return None
+    return await asyncio.to_thread(request.app.state.grammars.compile, constraint)
 
 
 def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:

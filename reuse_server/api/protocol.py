@@ -104,8 +104,36 @@ def _check_prompt(value: Any) -> Any:
     raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either")
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON that matches a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with the schema")
+        return self
+
+
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    response_format: ResponseFormat | None = None  # vLLM's extension: constrained output on completions too
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
@@ -115,12 +143,67 @@ class CompletionRequest(GenerationRequest):
     _prompt_shape = field_validator("prompt", mode="before")(_check_prompt)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters must be a JSON schema of type 'object', got {value.get('type')!r}")
+        return value
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice {"type": "function", "function": {"name": ...}}: call exactly this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -144,10 +227,22 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # Not supported; declared so that asking for them gets a clear 400 instead of being silently ignored.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: ResponseFormat | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        """One message for any malformed tool_choice (pydantic's would name each member of the union)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict) \
+                and isinstance(value["function"].get("name"), str):
+            return value
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
 
 
 class CacheChunksRequest(BaseModel):
@@ -250,7 +345,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_drop_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -269,9 +365,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, exclude_if=_drop_if_none)
+    arguments: str | None = Field(None, exclude_if=_drop_if_none)
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index`: the first carries id, type and name (arguments ""), the next ones
+    fragments of the arguments."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_drop_if_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_drop_if_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_drop_if_none)
     content: str | None = Field(None, exclude_if=_drop_if_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_drop_if_none)
 
 
 class ChatChunkChoice(BaseModel):
