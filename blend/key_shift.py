@@ -1,12 +1,12 @@
 """Key shift: the systematic part of how a chunk's cached keys differ from the keys it has in a new context.
 
 A chunk cached alone (right after the prompt's opening) and reused after other text keeps keys computed as if
-nothing preceded it. On SmolLM2 the difference, taken before RoPE, has a large common component: the mean
-difference over many chunks, contexts and positions points the same way in every layer (cosine 0.94-0.99
-between chunks at different depths) and removes 30-40% of the deviation energy of held-out chunks. Adding
-that mean to the reused keys shifts every query's logits on the chunk by q·shift: it restores how much
-attention the stale chunk gets as a whole, which is what stale distractor passages get wrong (BENCHMARKS.md).
-Values have no such common part (5-15%, and correcting them lowered accuracy), so only keys are shifted.
+nothing preceded it. The difference, taken before RoPE, has a large common component: the mean difference over
+many chunks, contexts and positions points the same way in every layer and removes much of the deviation of
+held-out chunks (measured on SmolLM2: benchmarks/results/history.md). Adding that mean to the reused keys
+shifts every query's logits on the chunk by q·shift: it restores how much attention the stale chunk gets as a
+whole, which is what stale distractor passages get wrong. Values have no such common part, and correcting them
+lowered accuracy, so only keys are shifted.
 
 The shift is estimated once per model (`KeyShiftEstimate`, fed by a calibration pass over plain prose) and
 added to the keys of every chunk reused from its alone form, at the chunk's new positions (`KeyShift.apply_`).

@@ -1,8 +1,8 @@
 """Token ids of long texts seen before, so a repeated chunk (a RAG passage, an agent's system prompt, the
 earlier turns of a chat) is not tokenized again on every request.
 
-Tokenizing is deterministic, so a hit returns exactly what tokenizing would; it only saves time (≈11 ms for a
-4,096-token message with SmolLM2's fast tokenizer, next to a ≈0.13 s warm prefill). One LRU per tokenizer
+Tokenizing is deterministic, so a hit returns exactly what tokenizing would; it only saves time, which matters
+once a warm prefill is short enough for tokenizing a long message to show. One LRU per tokenizer
 object (held weakly, so a dropped tokenizer takes its entries with it), bounded by the tokens it holds;
 short texts are not cached (they tokenize in microseconds)."""
 

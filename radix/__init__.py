@@ -20,9 +20,8 @@ another `namespace`. What that costs:
   itself (tens of kB per token for real models);
 - time: one `bytes.startswith` (a memcmp) per node run on the matched path, about as fast as
   copying the prompt's bytes once; and since the tokens are checked anyway, only the first block
-  after each node boundary is hashed during a match (it is the child's key). Measured on the dev
-  box: a full hit of 32k tokens (block size 16) over a 1M-token tree takes ~0.02 ms; the worst
-  case, a path cut into 2,048 one-block nodes, ~1.4 ms (one hash and one compare per node).
+  after each node boundary is hashed during a match (it is the child's key); the worst case is a
+  path cut into one-block nodes: one hash and one compare per node (BENCHMARKS.md, cache index).
 
 The cache is also the one owner of block state: every block id is free, caller-owned ("in use",
 from `allocate`), or in the tree, where it is evictable while no running request locks its node

@@ -7,8 +7,8 @@ locks around the cache or the pool. A consumer that stops listening (client gone
 `launch` is the one way to start it: it builds the engine on that same thread, so that all of the process's
 tensor work (loading, packing, calibration, steps) starts its OpenMP parallel regions from one thread.
 libgomp keeps one pool of worker threads per thread that starts regions, and once the pools hold more threads
-than there are CPUs it spins only ~100 times before a worker sleeps: every region then pays a futex wake. A
-model loaded on the main thread and run on this one made every step slower (BENCHMARKS.md).
+than there are CPUs it spins only ~100 times before a worker sleeps: every region then pays a futex wake, so a
+model loaded on one thread and run on another makes every step slower.
 
 Admission: `admit(n)` refuses work before anything is queued (no KV block touched) when the engine is dead,
 the server is draining for shutdown, or more than `max_waiting` requests would wait. A step that raises

@@ -4,8 +4,8 @@ Calibration renders a few RAG-style chats from plain prose (blend/calibration_te
 paragraph, as a RAG client sends passages), computes each one whole, computes each paragraph alone right
 after the chat's opening (as a precomputed document is), and averages the difference of the two keys of
 every paragraph that had another before it. It runs through the same model layers as serving, over a
-scratch KV pool of its own, so it touches neither the serving pool nor the cache accounting. SmolLM2 on
-two CPU cores: about 10 s, once; later starts load the result.
+scratch KV pool of its own, so it touches neither the serving pool nor the cache accounting. It runs once
+per model (seconds on the CPU); later starts load the result.
 """
 from __future__ import annotations
 

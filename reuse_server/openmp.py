@@ -1,11 +1,10 @@
 """How torch's OpenMP threads wait between parallel regions (set before torch is imported).
 
 libgomp's default spins ~300,000 iterations after each region: on a shared CPU (a client or load generator
-on the same cores) an idle spinning thread steals the core another process needs, and steps got 2.5x
-slower (10-40x with several processes). OMP_WAIT_POLICY=PASSIVE fixes that but sleeps after every region,
-and a forward is hundreds of short regions: the warm 17-token step at 4,096 tokens took 0.22 s instead of
-0.14 s. A short spin (GOMP_SPINCOUNT=3000) keeps back-to-back regions hot and gives the core up quickly:
-0.14 s quiet, and decode under contention within 10% of PASSIVE (BENCHMARKS.md). A user's own setting wins.
+on the same cores) an idle spinning thread steals the core another process needs. OMP_WAIT_POLICY=PASSIVE
+fixes that but sleeps after every region, and a forward is hundreds of short regions, so a warm step pays a
+wake-up per region. A short spin (GOMP_SPINCOUNT=3000) keeps back-to-back regions hot and gives the core up
+quickly (measured in benchmarks/results/history.md). A user's own setting wins.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 Recomputing costs the engine's measured prefill time per token (steps that prefill, moving average) times
 the block's tokens. Fetching costs the tier's measured seconds per block (its reads, moving average, the
 round trip of a batched read spread over the blocks it returned). Until a rate has been measured, fetching
-is tried: that is how it gets measured. On a fast GPU a slow tier stops being used for single blocks; on
-this project's 2-core CPU every tier beats recomputing by a wide margin (BENCHMARKS.md)."""
+is tried: that is how it gets measured. On a fast GPU a slow tier can stop being used; on a CPU, where
+prefill is slow, every tier tends to win (BENCHMARKS.md, KV tiers)."""
 from __future__ import annotations
 
 ALPHA = 0.2  # weight of the newest measurement
