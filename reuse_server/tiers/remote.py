@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 KNOWN_LIMIT = 200_000  # hashes remembered as stored, so that blocks read from Redis are not written back
 MAX_PAUSE = 30.0
+MGET_BATCH = 32
 
 
 class RedisTier:
@@ -84,30 +85,35 @@ class RedisTier:
         return True if block_hash in self._known else None
 
     def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
-        if not hashes or not self.available:
-            return {}
-        try:
-            values = self.client.mget([self.key(h) for h in hashes])
-        except redis.RedisError as exc:
-            self._failed(exc)
-            return {}
-        self._answered()
-        found, bad = {}, []
-        for h, value in zip(hashes, values):
-            if value is None:
-                continue
+        """The blocks Redis holds among `hashes`, read MGET_BATCH at a time (a long prompt's blocks are
+        hundreds of megabytes: batches bound the memory a read holds)."""
+        found: dict[bytes, BlockEntry] = {}
+        for i in range(0, len(hashes), MGET_BATCH):
+            if not self.available:
+                break
+            batch = hashes[i:i + MGET_BATCH]
             try:
-                found[h] = decode(value, self.ctx, expected_hash=h)
-            except BadBlob as exc:
-                log.warning("Redis: deleting %s: %s", self.key(h).decode(), exc)
-                self.stats.corrupt += 1
-                bad.append(self.key(h))
-            self.stats.read_bytes += len(value)
-        if bad:
-            try:
-                self.client.delete(*bad)
+                values = self.client.mget([self.key(h) for h in batch])
             except redis.RedisError as exc:
                 self._failed(exc)
+                break
+            self._answered()
+            bad = []
+            for h, value in zip(batch, values):
+                if value is None:
+                    continue
+                self.stats.read_bytes += len(value)
+                try:
+                    found[h] = decode(value, self.ctx, expected_hash=h)
+                except BadBlob as exc:
+                    log.warning("Redis: deleting %s: %s", self.key(h).decode(), exc)
+                    self.stats.corrupt += 1
+                    bad.append(self.key(h))
+            if bad:
+                try:
+                    self.client.delete(*bad)
+                except redis.RedisError as exc:
+                    self._failed(exc)
         self._remember(found)
         return found
 
