@@ -65,8 +65,7 @@ def timed(url, client, model, messages, tier: str, case: str, per_token_bytes: f
     seconds, usage = stream_ttft(client, model, messages, 2)
     after = tier_read(url)
     details = usage.prompt_tokens_details
-    served = getattr(details, "tier_tokens", None)
-    served = served.model_dump() if served is not None else {}
+    served = getattr(details, "tier_tokens", None) or {}  # an extension field: the openai client keeps it a dict
     read = [after.get(tier, [0, 0])[i] - before.get(tier, [0, 0])[i] for i in (0, 1)]
     row = dict(bench="tiers_ttft", case=case, ttft_s=round(seconds, 4), prompt_tokens=usage.prompt_tokens,
                cached_tokens=details.cached_tokens, tier_tokens=served.get(tier, 0) if tier != "device" else 0,

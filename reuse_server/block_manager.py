@@ -152,7 +152,7 @@ class BlockManager:
             return None
         if found:
             indices = sorted(found)
-            self.tiers.load([kv.block_table[i] for i in indices], [found[i].entry for i in indices])
+            self.tiers.load([kv.block_table[i] for i in indices], [found[i] for i in indices])
             kv.filled = set(indices)
             for f in found.values():
                 by_tier[f.tier] = by_tier.get(f.tier, 0) + self.block_size
