@@ -285,3 +285,66 @@ def test_a_tenant_never_hits_another_tenants_blocks_in_any_tier(checkpoints, tmp
         same = run(reader, "alpha-again", ids, tenant="a" * 32)
         assert same[2].cached_tokens == (len(ids) - 1) // BS * BS and set(same[2].tier_tokens) == {"disk"}
         reader.close()
+
+
+# ---- faults in a tier cost hits, never answers ----------------------------------------------------
+
+
+def test_a_full_disk_costs_writes_never_answers(checkpoints, cold, tmp_path, caplog):
+    """Every block file's write fails with ENOSPC (its temporary file is /dev/full): the answer is the cold
+    one, the failures are counted and logged, and nothing half written is left to be read."""
+    import os
+
+    ids = prompt(13)
+    engine = make(checkpoints[3], disk_cache_dir=str(tmp_path))
+    disk = engine.tiers.disk
+    for block_hash in engine.block_hashes(ids):
+        path = disk._path(block_hash)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("/dev/full", path.with_name(f".tmp-{path.name}.{os.getpid()}"))
+    got = run(engine, "full", ids)
+    same_answer(got, cold(ids))
+    assert disk.writer.flush(10)
+    stats = engine.snapshot()["tiers"]["disk"]
+    assert stats["errors"] == stats["dropped_writes"] == len(engine.block_hashes(ids))
+    assert "No space left on device" in caplog.text
+    # only the block the answer filled (past the prompt) found room; no failed one is left to be read
+    assert len(disk_files(tmp_path)) == disk.num_blocks == stats["written"] == 1
+    engine.close()
+
+
+def test_a_cache_folder_that_cannot_be_used_leaves_the_server_serving(checkpoints, cold, tmp_path, caplog):
+    not_a_folder = tmp_path / "kv"
+    not_a_folder.write_text("a file where the cache folder should be")
+    engine = make(checkpoints[3], disk_cache_dir=str(not_a_folder))
+    ids = prompt(14)
+    same_answer(run(engine, "served", ids), cold(ids))
+    assert engine.tiers.disk.writer.flush(10)
+    assert engine.snapshot()["tiers"]["disk"]["errors"] >= 1 and "unusable" in caplog.text
+    engine.close()
+
+
+def test_a_redis_that_answers_slowly_is_a_miss_not_a_wait(checkpoints, cold):
+    """CLIENT PAUSE stalls every client of the server: a read gives up after --redis-timeout, the request is
+    answered without Redis, and hits resume once Redis answers again."""
+    import time
+
+    ids, later = prompt(15), prompt(16)
+    with redis_server() as server:
+        writer = make(checkpoints[3], redis_url=server.url)
+        run(writer, "first", ids)
+        run(writer, "second", later)
+        assert writer.tiers.remote.writer.flush(10)
+        writer.close()
+        reader = make(checkpoints[3], redis_url=server.url, redis_timeout=0.2)
+        server.client().execute_command("CLIENT", "PAUSE", "3000", "ALL")
+        start = time.monotonic()
+        got = run(reader, "paused", ids)
+        assert time.monotonic() - start < 2.5  # well inside the pause: Redis was given up on, not waited for
+        same_answer(got, cold(ids))
+        assert got[2].tier_tokens == {} and reader.snapshot()["tiers"]["redis"]["errors"] >= 1
+        time.sleep(3.2)
+        reader.tiers.remote._retry_at = 0  # skip the pause before the next attempt
+        again = run(reader, "answered", later)
+        assert again[2].tier_tokens == {"redis": (len(later) - 1) // BS * BS}
+        reader.close()
