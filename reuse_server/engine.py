@@ -18,7 +18,8 @@ from reuse_server.config import EngineConfig
 from reuse_server.detokenizer import IncrementalDetokenizer
 from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
-from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
+from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
+from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.outputs import RequestOutput, TokenLogprob
 from reuse_server.runner import ModelRunner
 from reuse_server.sampler import Sampler, top_logprobs
@@ -53,9 +54,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
-        path = resolve_model(config.model)
         dtype = resolve_dtype(config.dtype, config.device)
-        self.model, self.model_config = load_model(path, dtype=dtype, device=config.device)
+        self.weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model))
+        log.info("weights in %s (%s)", self.weight_dtype, why)
+        path = resolve_model(config.model, self.weight_dtype)
+        self.model, self.model_config = load_model(path, dtype=dtype, device=config.device, weight_dtype=self.weight_dtype)
         if config.cpu_matmul not in ("native", "onednn", "torch"):
             raise ValueError(f"unknown cpu_matmul {config.cpu_matmul!r}; choose native, onednn or torch")
         self.model.pack_for_cpu(config.cpu_matmul)
