@@ -55,7 +55,7 @@ class LLMEngine:
         self.config = config
         self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
         dtype = resolve_dtype(config.dtype, config.device)
-        self.weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model))
+        self.weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model), config.device, dtype)
         log.info("weights in %s (%s)", self.weight_dtype, why)
         path = resolve_model(config.model, self.weight_dtype)
         self.model, self.model_config = load_model(path, dtype=dtype, device=config.device, weight_dtype=self.weight_dtype)

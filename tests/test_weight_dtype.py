@@ -105,6 +105,8 @@ def test_each_weight_dtype_has_its_own_cache_folder_without_fp32_matrices():
 def test_auto_picks_int4_for_the_bundled_model_from_its_measurements():
     dtype, why = choose("auto", bundled_gguf_path())
     assert dtype == "int4" and "measured" in why
+    # the CPU's kernels take fp32 activations: computing in bf16 keeps today's path
+    assert choose("auto", bundled_gguf_path(), "cpu", torch.bfloat16)[0] == "fp32"
 
 
 @pytest.mark.parametrize("weight_dtype", ["bf16", "int8", "int4"])

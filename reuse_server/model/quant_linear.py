@@ -232,7 +232,10 @@ def choose_cpu_kernel(kind: str, shapes: list[tuple[int, int]], rows=(1, 64), se
     if kind == "int4" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         candidates.append("torch")
     if len(candidates) <= 1:
-        return candidates[0] if candidates else "reference"
+        choice = candidates[0] if candidates else "reference"
+        log.info("quantized %s linear layers on the CPU: %s (the only candidate here)", kind,
+                 "fp32 weights: no kernel for this kind" if choice == "reference" else f"{choice} kernel")
+        return choice
     from .quant_weights import quantize
 
     gen = torch.Generator().manual_seed(seed)

@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .quant_weights import BITS, WEIGHT_DTYPES
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,16 @@ MEASURED: dict[str, dict[str, Quality]] = {
 }
 
 
-def choose(requested: str, source: Path) -> tuple[str, str]:
-    """(weight dtype, why) for the requested one ("auto" or a dtype) and the model's file or folder."""
+def choose(requested: str, source: Path, device: str = "cpu", compute_dtype: torch.dtype = torch.float32
+           ) -> tuple[str, str]:
+    """(weight dtype, why) for the requested one ("auto" or a dtype), the model's file or folder, and where and
+    in what the model computes."""
     if requested != "auto":
         if requested not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {requested!r}; choose auto or one of {', '.join(WEIGHT_DTYPES)}")
         return requested, "requested"
+    if torch.device(device).type == "cpu" and compute_dtype != torch.float32:
+        return "fp32", f"the CPU's quantized kernels compute in float32; weights stay in {compute_dtype} as --dtype says"
     source = Path(source)
     if source.is_file():
         from .gguf_convert import gguf_fingerprint
