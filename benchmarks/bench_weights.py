@@ -39,7 +39,7 @@ import psutil
 import torch
 
 from benchmarks.bench_blend import CapturingSampler, kl, make_cases, prompt_for
-from benchmarks.bench_ttft import TextSource, conversation, server_process, served_model, with_last_line
+from benchmarks.bench_ttft import TextSource, chat_tokens, conversation, server_process, served_model, with_last_line
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
 from reuse_server.launcher import free_port
@@ -62,15 +62,17 @@ def stream(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: 
     """One streaming chat request: time to first content, time of the last, tokens generated."""
     start = time.perf_counter()
     first = last = None
-    usage = None
+    usage, pieces = None, 0
     for chunk in client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "cache_prompt": True}):
         if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
             last = time.perf_counter() - start
             first = last if first is None else first
+            pieces += bool(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
-    return dict(first=first, last=last, tokens=usage.completion_tokens if usage else None,
+    # a server that leaves usage out of the stream: its content chunks (one a token) and our count of the prompt
+    return dict(first=first, last=last, tokens=usage.completion_tokens if usage else pieces,
                 prompt_tokens=usage.prompt_tokens if usage else None)
 
 
@@ -102,8 +104,9 @@ def http_figures(url: str, pid: int, tokenizer, source: TextSource, args, decode
     if decode_b8:
         row["decode_ms_b8"] = round(decode(client, model, 8, args.decode_tokens), 2)
     for n in args.prefill_tokens:
-        run = stream(client, model, conversation(tokenizer, source, n, "Summarize the text above."), 1)
-        row[f"prefill_tok_s_{n}"] = round(run["prompt_tokens"] / run["first"], 1)
+        messages = conversation(tokenizer, source, n, "Summarize the text above.")
+        run = stream(client, model, messages, 1)
+        row[f"prefill_tok_s_{n}"] = round((run["prompt_tokens"] or chat_tokens(tokenizer, messages)) / run["first"], 1)
     messages = conversation(tokenizer, source, args.ttft_tokens, "In one sentence, what is the main event described above?")
     cold = stream(client, model, messages, 2)
     warm = [stream(client, model, with_last_line(messages, f"Question {i + 1}: name one place mentioned above."), 2)
