@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -205,16 +206,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-tokens", default="512,2048")
     ap.add_argument("--ttft-tokens", type=int, default=4096)
     ap.add_argument("--cases", type=int, default=30, help="needle cases for the first-token KL and accuracy")
-    ap.add_argument("--needle-tokens", type=int, default=12)
+    ap.add_argument("--needle-tokens", type=int, default=16, help="the answer repeats the question's words first")
     ap.add_argument("--greedy-prompts", type=int, default=8)
     ap.add_argument("--greedy-tokens", type=int, default=40)
     ap.add_argument("--kv-cache-memory", default="384MiB")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even when it is on PATH")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-servers", action="store_true", help="quality only")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="CPU threads of every server (OMP_NUM_THREADS for ours, -t/-tb for llama-server); on a "
+                         "shared CPU one thread each is the steadier comparison")
     args = ap.parse_args(argv)
     args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
     dtypes = args.dtypes.split(",")
-    threads = torch.get_num_threads()
+    threads = args.threads
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # our servers' torch and kernel threads
 
     from transformers import AutoTokenizer
 
@@ -231,13 +237,15 @@ def main(argv: list[str] | None = None) -> None:
             emit(bench="weights_quality", weight_dtype=dtype, cases=len(cases),
                  quantized_weights_mib=run["quantized_weights_mib"], **quality_against(reference, run))
 
-    for dtype in dtypes:
+    for dtype in [] if args.skip_servers else dtypes:
         with server_process("--model", "smollm2", "--weight-dtype", dtype, "--kv-cache-memory", args.kv_cache_memory,
                             "--max-num-batched-tokens", "8192", "--no-blend-key-shift") as (url, proc):
             emit(bench="weights_server", server="ours", weight_dtype=dtype, threads=threads,
                  **http_figures(url, proc.pid, tokenizer, source, args))
 
     binary = shutil.which("llama-server")
+    if args.skip_servers:
+        return
     if binary and not args.no_llama:
         gguf = bundled_gguf_path()
         ctx = args.ttft_tokens + 512

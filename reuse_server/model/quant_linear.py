@@ -6,7 +6,8 @@ group of 32 reads 5 bits a weight where fp32 reads 32. Kernels, by device:
   activations; torch's own int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) is the other candidate for int4
   (torch's int8 kernel takes one scale per output, not per group). Which one serves is measured once at start
   on this model's layer shapes (`choose_cpu_kernel`) and logged; a kernel is only a candidate if a row's result
-  does not depend on the other rows of its step (prefix reuse stays exact).
+  does not depend on the other rows of its step (prefix reuse stays exact). A kind without any kernel here
+  (int8/bf16 where the native kernels cannot be built) runs on its dequantized fp32 weights (oneDNN).
 - CUDA (untested here: no GPU in this project's CI): int4 through torch's `_weight_int4pack_mm` (bf16
   activations, sm80+); int8, bf16 and shapes that kernel does not take dequantize per call to the compute
   dtype and run F.linear (the memory saving without the speed).

