@@ -3,8 +3,8 @@ llama.cpp's server on the same GGUF beside them when `llama-server` is on PATH.
 
 Per weight dtype (fp32, bf16, int8, int4; `auto` is reported as the dtype it picks), one server after another,
 everything over HTTP with the openai client:
-- rss_mib: the server's resident set after start-up and the first requests (--kv-cache-memory is small, so
-  the weights dominate; llama-server's KV cache is its --ctx-size);
+- rss_mib: the server's resident set after start-up and the requests above; ours holds a KV pool of
+  --kv-cache-memory (written once at start, so resident), llama-server an f16 KV cache of its --ctx-size;
 - decode_ms_b1 / decode_ms_b8: time between a stream's first and last token over its tokens - 1, for one
   stream and for 8 concurrent streams (the mean of the 8), `--decode-tokens` tokens each with ignore_eos;
 - prefill_tok_s_<n>: prompt tokens / time to first token of a prompt of n new tokens (nothing cached);
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         with server_process("--model", "smollm2", "--weight-dtype", dtype, "--kv-cache-memory", args.kv_cache_memory,
                             "--max-num-batched-tokens", "8192", "--no-blend-key-shift") as (url, proc):
             emit(bench="weights_server", server="ours", weight_dtype=dtype, threads=threads,
-                 **http_figures(url, proc.pid, tokenizer, source, args))
+                 kv_cache_memory=args.kv_cache_memory, **http_figures(url, proc.pid, tokenizer, source, args))
 
     binary = shutil.which("llama-server")
     if args.skip_servers:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
             row["decode_ms_b8"] = round(decode(client, served_model(url), 8, args.decode_tokens), 2)
         emit(bench="weights_server", server="llama-server", weight_dtype=gguf.name.split(".")[-2], threads=threads,
-             **row)
+             ctx_size=ctx, **row)
     elif not args.no_llama:
         emit(bench="weights_server", server="llama-server", skipped="llama-server is not on PATH")
 
