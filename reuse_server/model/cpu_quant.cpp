@@ -277,14 +277,17 @@ void chunk_tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float
         for (int h = 0; h < 4; ++h) store(acc_rows + i * PANEL + 16 * h, acc[i][h]);
 }
 
+// The buffered path's decoded chunk and accumulators, per thread and kept between calls: too large for a
+// thread's stack, and allocating them per task would fault fresh pages in every time.
+float* scratch() {
+    static thread_local std::vector<float> buffer((size_t)(CHUNK + BLOCK_ROWS) * PANEL);
+    return buffer.data();
+}
+
 template <class F, class S, bool MIN>
 void buffered_block(const float* x, int64_t ldx, int rows, const uint8_t* codes, const S* scales, const S* mins,
                     int64_t k, int64_t group, const float* bias, float* y, int64_t ldy, int cols) {
-    // Per thread, kept between calls: too large for a thread's stack, and allocating them per task would
-    // fault fresh pages in every time.
-    static thread_local std::vector<float> scratch;
-    if (scratch.size() < (size_t)(CHUNK + BLOCK_ROWS) * PANEL) scratch.resize((size_t)(CHUNK + BLOCK_ROWS) * PANEL);
-    float* buf = scratch.data();
+    float* buf = scratch();
     float* acc = buf + CHUNK * PANEL;
     for (int i = 0; i < rows; ++i) {
         if (bias) std::memcpy(acc + i * PANEL, bias, sizeof(float) * PANEL);
