@@ -156,7 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
-                       help="weight and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                       help="compute and KV cache dtype, and the weights' with --weight-dtype fp32 (auto: float32 on CPU, "
+                            "bfloat16 on CUDA)")
+    serve.add_argument("--weight-dtype", default=defaults.weight_dtype, choices=["auto", "fp32", "bf16", "int8", "int4"],
+                       help="how the weight matrices are held, whatever --dtype computes in: fp32 (as --dtype), bf16, "
+                            "int8 or int4 (scale and minimum per group of 32 inputs; the output head in int8); a "
+                            "GGUF's Q4/Q8 blocks load as they are, other checkpoints are quantized at load. auto: "
+                            "the narrowest whose measured quality against fp32 is within bounds, else the "
+                            "narrowest that holds the checkpoint's weights exactly (logged at start)")
     serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["native", "onednn", "torch"],
                        help="on the CPU, run linear layers on weights packed once at start: through the C++ kernel "
                             "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
@@ -294,6 +301,7 @@ def add_kv_calc_parser(commands) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
         cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

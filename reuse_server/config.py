@@ -27,6 +27,10 @@ class EngineConfig:
     served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    # the matrices' storage, independent of the compute dtype: fp32 (as --dtype), bf16, int8, int4 (group-wise
+    # scales; the output head in at least int8), or auto: the narrowest within measured quality bounds
+    # (model/weight_dtype.py)
+    weight_dtype: str = "auto"
     # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
     # torch (F.linear)
     cpu_matmul: str = "native"

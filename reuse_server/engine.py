@@ -26,6 +26,7 @@ class LLMEngine:
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.model_id = parts.model_id
+        self.weight_dtype = parts.weight_dtype
         self.fingerprint = parts.fingerprint
         self.attention_kernel = parts.attention_kernel
         self.max_model_len = parts.max_model_len

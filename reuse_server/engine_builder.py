@@ -23,7 +23,8 @@ from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.config import ModelConfig
 from reuse_server.model.bundled import is_bundled
-from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
+from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
+from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.runner import ModelRunner
 from reuse_server.sampler import Sampler
 from reuse_server.scheduler import Scheduler
@@ -39,6 +40,7 @@ class EngineParts:
     model_config: ModelConfig
     tokenizer: object
     model_id: str  # the served name
+    weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
     fingerprint: ModelFingerprint
     attention_kernel: bool  # the CPU attention kernel serves this model
     max_model_len: int
@@ -62,9 +64,11 @@ def build_engine(config: EngineConfig):
 
 def build_parts(config: EngineConfig) -> EngineParts:
     config.validate()
-    path = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, config.device)
-    model, mc = load_model(path, dtype=dtype, device=config.device)
+    weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model), config.device, dtype)
+    log.info("weights in %s (%s)", weight_dtype, why)
+    path = resolve_model(config.model, weight_dtype)
+    model, mc = load_model(path, dtype=dtype, device=config.device, weight_dtype=weight_dtype)
     tokenizer = load_tokenizer(path)
     bs = config.block_size
     kv_dtype = dtype
@@ -100,7 +104,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
                           config.dedup_prefill)
     parts = EngineParts(
         config=config, model=model, model_config=mc, tokenizer=tokenizer,
-        model_id=config.served_model_name or default_model_id(config.model), fingerprint=identity,
+        model_id=config.served_model_name or default_model_id(config.model), weight_dtype=weight_dtype,
+        fingerprint=identity,
         attention_kernel=attention_kernel,
         max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
         kv=kv, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,

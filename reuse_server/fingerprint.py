@@ -24,7 +24,7 @@ class ModelFingerprint:
     model: str  # the architecture and its shapes (ModelConfig), as canonical JSON
     weights: str  # xxh3-128 of every parameter's name, dtype, shape and bytes, as loaded
     tokenizer: str  # xxh3-128 of the tokenizer's definition and chat template
-    dtype: str  # the compute dtype of the weights
+    dtype: str  # the compute dtype
     kv_dtype: str  # the KV pool's storage dtype
     block_size: int
     hash_algo: str
@@ -44,9 +44,17 @@ class ModelFingerprint:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """Digest of the parameters and buffers as loaded (before any packing for the CPU kernels)."""
+    """Digest of the parameters and buffers as loaded (before any packing for the CPU kernels), and of the
+    weights held quantized (codes, scales and minimums, which are no state dict entries)."""
+    tensors = dict(model.state_dict())
+    for name, module in model.named_modules():
+        weight = module.__dict__.get("qweight")
+        if weight is not None:
+            for part in ("codes", "scales", "mins"):
+                if getattr(weight, part) is not None:
+                    tensors[f"{name}.qweight.{weight.kind}.{weight.group}.{part}"] = getattr(weight, part)
     digest = xxhash.xxh3_128()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(tensors.items()):
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         data = tensor.detach().contiguous().cpu()
         if data.numel():

@@ -9,7 +9,8 @@ from reuse_server.cli import build_parser, engine_config, main, parse_size
 from reuse_server.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
-FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--cpu-matmul", "--cpu-attention",
+FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--weight-dtype", "--cpu-matmul",
+         "--cpu-attention",
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",

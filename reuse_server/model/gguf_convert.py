@@ -25,6 +25,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from .errors import ModelLoadError
+from .gguf_quant import load_tensor
+from .quant_weights import WEIGHT_DTYPES, kind_for, metadata_entry, to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -59,30 +61,48 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kv-reuse-server"
 
 
-def converted_folder_name(gguf_path: Path) -> str:
+def _file_digest(path: Path, extra: bytes = b"") -> str:
     digest = xxhash.xxh3_64()
-    with open(gguf_path, "rb") as f:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             digest.update(chunk)
-    digest.update(CONVERTER_VERSION.encode())
-    return f"{gguf_path.stem}-{digest.hexdigest()[:12]}"
+    digest.update(extra)
+    return digest.hexdigest()
 
 
-def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
-    """The cached HF folder for gguf_path, converting it first if needed (atomically: a killed conversion
-    leaves only a temporary folder, never a half-written cache entry)."""
+def gguf_fingerprint(gguf_path: Path) -> str:
+    """xxh3 of the file's bytes: the key of its measured quality per weight dtype (weight_dtype.py)."""
+    return _file_digest(gguf_path)
+
+
+def converted_folder_name(gguf_path: Path, weight_dtype: str = "fp32") -> str:
+    """The file's digest with the converter's version; fp32 folders keep the names they had before weight
+    dtypes existed, each other weight dtype gets a folder of its own."""
+    suffix = "" if weight_dtype == "fp32" else f"-{weight_dtype}"
+    return f"{gguf_path.stem}-{_file_digest(gguf_path, CONVERTER_VERSION.encode())[:12]}{suffix}"
+
+
+def ensure_converted(gguf_path: Path, cache_dir: Path | None = None, weight_dtype: str = "fp32") -> Path:
+    """The cached HF folder for gguf_path with its weights in `weight_dtype` (fp32, or quant_weights' bf16,
+    int8, int4), converting it first if needed (atomically: a killed conversion leaves only a temporary
+    folder, never a half-written cache entry)."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file {gguf_path} does not exist")
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / converted_folder_name(gguf_path)
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    base = converted_folder_name(gguf_path)
+    folders = {d: cache_dir / (base if d == "fp32" else f"{base}-{d}") for d in WEIGHT_DTYPES}
+    complete = [d for d, f in folders.items() if (f / "config.json").is_file() and (f / "model.safetensors").is_file()]
+    target = folders[weight_dtype]
+    if weight_dtype in complete:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=cache_dir))
     try:
         log.warning("converting %s into %s (one time)", gguf_path, target)
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp, weight_dtype, folders[complete[0]] if complete else None)
         tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)
@@ -94,10 +114,13 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and tokenizer files for gguf_path into out_dir."""
+def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", converted: Path | None = None) -> None:
+    """Write config.json, model.safetensors and tokenizer files for gguf_path into out_dir. With a weight
+    dtype other than fp32, the matrices are stored in that layout (quant_weights: codes, scales, minimums),
+    read out of the GGUF's blocks where they hold it exactly (gguf_quant.py); the rest stays fp32. `converted`:
+    a finished conversion of the same file in another weight dtype, whose config and tokenizer files are
+    copied instead of being parsed again (transformers takes most of a conversion's time)."""
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
 
     try:
         reader = gguf.GGUFReader(gguf_path)
@@ -107,16 +130,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if arch not in _SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{gguf_path}: GGUF architecture {arch!r} is not supported")
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except Exception as e:
-        raise ModelLoadError(f"{gguf_path}: transformers could not read its config/tokenizer: {e}") from e
-
-    num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    name = gguf_path.name
+    if converted is not None:
+        for file in converted.iterdir():
+            if file.is_file() and file.name not in ("model.safetensors", "conversion.json"):
+                shutil.copy2(file, out_dir / file.name)
+        hf = json.loads((out_dir / "config.json").read_text())
+        num_heads, num_kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        tied = bool(hf.get("tie_word_embeddings", False))
+    else:
+        config, tokenizer = _config_and_tokenizer(gguf_path, reader)
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        tied = config.tie_word_embeddings
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc=f"Dequantizing {name} (one time)", unit="tensor"):
+    layouts: dict[str, dict] = {}
+    verb = "Dequantizing" if weight_dtype == "fp32" else f"Loading {weight_dtype} weights of"
+    for tensor in tqdm(reader.tensors, desc=f"{verb} {name} (one time)", unit="tensor"):
         if tensor.name == "rope_freqs.weight":
             # Llama 3.1-style GGUFs keep their rope scaling only as this tensor, which the config does not
             # carry over; running without it would silently give wrong positions beyond the original context.
@@ -128,24 +157,50 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if hf_name is None:
             log.warning("%s: ignoring GGUF tensor %s", gguf_path, tensor.name)
             continue
+        permuted = arch in _PERMUTED_ARCHITECTURES and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        heads = num_heads if "q_proj" in hf_name else num_kv_heads
+        if weight_dtype != "fp32" and len(tensor.shape) == 2:
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dimensions innermost first
+            q = load_tensor(tensor.data, tensor.tensor_type, shape, kind_for(hf_name, weight_dtype))
+            if permuted:  # a permutation of whole rows: codes, scales and minimums move together
+                q = q.rows(torch.from_numpy(_reverse_llama_cpp_permutation(np.arange(shape[0]), heads)))
+            parts, layouts[hf_name] = to_tensors(hf_name, q)
+            tensors.update(parts)
+            continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        if arch in _PERMUTED_ARCHITECTURES and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = num_heads if "q_proj" in hf_name else num_kv_heads
+        if permuted:
             weights = _reverse_llama_cpp_permutation(weights, heads)
         tensors[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))  # owns its memory
 
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+    if tied:
+        for key in [k for k in tensors if k.startswith("lm_head.weight")]:
+            del tensors[key]
+        layouts.pop("lm_head.weight", None)
+    if converted is None:
+        config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    save_file(tensors, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt", "source": name, **(metadata_entry(layouts) if layouts else {})})
+    (out_dir / "conversion.json").write_text(
+        json.dumps({"source": str(gguf_path), "converter_version": CONVERTER_VERSION, "dtype": "float32",
+                    "weight_dtype": weight_dtype})
+    )
+
+
+def _config_and_tokenizer(gguf_path: Path, reader):
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: transformers could not read its config/tokenizer: {e}") from e
     if "tokenizer.ggml.pre" in reader.fields and reader.fields["tokenizer.ggml.pre"].contents() in _DIGIT_SPLIT_PRETOKENIZERS:
         _split_digits_first(tokenizer)
-    config.save_pretrained(out_dir)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": name})
     if not tokenizer.chat_template:
         log.warning("%s has no tokenizer.chat_template; chat requests will need one", gguf_path)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "conversion.json").write_text(
-        json.dumps({"source": str(gguf_path), "converter_version": CONVERTER_VERSION, "dtype": "float32"})
-    )
+    return config, tokenizer
 
 
 def _split_digits_first(tokenizer) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from . import cpu_attention, cpu_ops
+from . import cpu_attention, cpu_ops, quant_linear
 from .cpu_linear import NativeLinear, pack_linear_layers, packer
 from .rope import RotaryEmbedding, apply_rotary
 
@@ -199,6 +199,8 @@ class LlamaModel(nn.Module):
         in fp32, oneDNN), each attention's q/k/v projections as one. After this the model is for inference
         only: its state dict no longer holds the linear weights. Returns the number of linear layers packed (0
         where it does not apply: GPU, fp16, kind "torch")."""
+        if quant_linear.holds_quantized(self):  # weights held in fewer bits (--weight-dtype): their own kernels
+            return quant_linear.pack_quantized(self, kind)
         head = packer(self.embed_tokens.weight, kind)
         if head is None:
             return 0

@@ -7,22 +7,33 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .bundled import bundled_gguf_path, is_bundled
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_convert import ensure_converted
 from .llama import LlamaModel
+from .quant_linear import QuantizedEmbedding, QuantizedLinear
+from .quant_weights import WEIGHT_DTYPES, QuantizedWeight, from_tensors, kind_for, quantize, read_layouts
 
 _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
 
 
-def resolve_model(name_or_path: str | None) -> Path:
+def model_source(name_or_path: str | None) -> Path:
+    """The file or folder a model name stands for: the bundled GGUF, a .gguf file, or an HF folder."""
+    if is_bundled(name_or_path):
+        return bundled_gguf_path()
+    return Path(name_or_path).expanduser()
+
+
+def resolve_model(name_or_path: str | None, weight_dtype: str = "fp32") -> Path:
     """A Hugging Face folder (config.json + safetensors + tokenizer) for the given model:
     None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct" -> the bundled GGUF, converted once and cached;
-    a .gguf file -> converted once and cached; a folder with config.json -> itself."""
+    a .gguf file -> converted once and cached; a folder with config.json -> itself. A GGUF is converted into
+    a folder of its own per weight dtype (quant_weights.WEIGHT_DTYPES); an HF folder is quantized at load."""
     if is_bundled(name_or_path):
-        return ensure_converted(bundled_gguf_path())
+        return ensure_converted(bundled_gguf_path(), weight_dtype=weight_dtype)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -32,7 +43,7 @@ def resolve_model(name_or_path: str | None) -> Path:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file")
-        return ensure_converted(path)
+        return ensure_converted(path, weight_dtype=weight_dtype)
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f"; it holds GGUF files {ggufs}: pass one of them" if ggufs else ""
@@ -83,30 +94,51 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", weight_dtype: str = "fp32"
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Build the model from an HF folder (see resolve_model), in inference mode (no grads)."""
+    """Build the model from an HF folder (see resolve_model), in inference mode (no grads). With a weight
+    dtype other than fp32 the matrices are held in it (quant_weights; the output head in at least 8 bits):
+    read as stored where the folder holds them quantized (a GGUF's conversion), else quantized here. They
+    load as QuantizedLinear/QuantizedEmbedding, which LlamaModel.pack_for_cpu hands to their kernels."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     path = Path(path)
     config = read_config(path)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = set(model.state_dict().keys())
+    matrices = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     unexpected = []
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():
+                layouts = read_layouts(f.metadata())
+                parts = {key: f.get_tensor(key) for key in f.keys() if key.rsplit(".", 1)[0] in layouts}
+                for key, layout in layouts.items():
                     name = key.removeprefix("model.")
                     if name in expected:
+                        quantized[name] = from_tensors(key, layout, parts)
+                    elif not (key == "lm_head.weight" and model.lm_head is None):
+                        unexpected.append(key)
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    if key in parts:
+                        continue
+                    if name in expected and weight_dtype != "fp32" and name in matrices:
+                        quantized[name] = quantize(f.get_tensor(key), kind_for(name, weight_dtype))
+                    elif name in expected:
                         state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
                     elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (key == "lm_head.weight" and model.lm_head is None)):
                         unexpected.append(key)
-        except ModelLoadError:
+        except (ModelLoadError, ValueError):
             raise
         except Exception as e:
             raise ModelLoadError(f"cannot read weights from {file}: {e}") from e
-    missing = sorted(expected - state.keys())
+    for name, weight in quantized.items():
+        _hold_quantized(model, name, weight.to(device), dtype)
+    missing = sorted(set(model.state_dict().keys()) - state.keys())
     if missing:
         raise ModelLoadError(f"model folder {path}: the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     if unexpected:
@@ -121,6 +153,20 @@ def load_model(
     model.rotary.reset(config, device)
     model.eval().requires_grad_(False)
     return model, config
+
+
+def _hold_quantized(model: LlamaModel, name: str, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    """Replace the nn.Linear / nn.Embedding whose weight is `name` by its quantized placeholder."""
+    parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, attr)
+    if tuple(old.weight.shape) != weight.shape:
+        raise ModelLoadError(f"{name}: the checkpoint's {weight.shape} does not fit config.json's "
+                             f"{tuple(old.weight.shape)}")
+    if isinstance(old, nn.Embedding):
+        setattr(parent, attr, QuantizedEmbedding(weight, dtype))
+    else:  # a meta bias stands in until load_state_dict assigns the checkpoint's
+        setattr(parent, attr, QuantizedLinear(weight, None if old.bias is None else old.bias))
 
 
 def load_tokenizer(path: Path):

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_ops.cpp): built once into one shared library, loaded with ctypes.
+"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_ops.cpp, cpu_quant.cpp): built once into one shared library, loaded with ctypes.
 
 They are compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`:
 gcc's vector extensions become AVX-512, AVX2 or SSE code), into the cache folder next to the converted
@@ -24,7 +24,8 @@ from .gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"
@@ -36,6 +37,7 @@ SIGNATURES = {
     "kv_linear_f32": ([_P, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "kv_rms_norm_f32": ([_P, _I, _I, _I, _P, _F, _P, _I], None),
     "kv_silu_mul_f32": ([_P, _I, _I, _P, _I], None),
+    "kv_quant_linear_f32": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I], ctypes.c_int),
 }
 
 _lock = threading.Lock()
