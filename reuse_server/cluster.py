@@ -12,7 +12,9 @@ The gateway flags set here (each can be overridden with --gateway-arg):
   monitor that polls each worker's GET /get_load for the power-of-two policy (30 s by default: the loads
   it compares would be half a minute old);
 - --health-check-interval-secs 2 and --cb-failure-threshold 3: a dead replica leaves the rotation within
-  seconds (after 3 failed requests or probes), while the gateway retries the failed requests elsewhere."""
+  seconds (after 3 failed requests or probes), while the gateway retries the failed requests elsewhere;
+- --prometheus-host 127.0.0.1 --prometheus-port (a free port): the gateway's own metrics listener, which
+  otherwise takes 0.0.0.0:29000 and so fails the second gateway on a machine."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from reuse_server.launcher import ServerStartError, free_port, redis_process, served
+from reuse_server.launcher import ServerStartError, free_port, own_session, redis_process, served
 
 POLICIES = ("round_robin", "power_of_two", "cache_aware", "random")
 GATEWAY_DEFAULTS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
@@ -83,10 +85,11 @@ def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127
     worker as healthy. Stopped with SIGTERM on the way out."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
-           "--host", host, "--port", str(port), *GATEWAY_DEFAULTS, *extra_args]
+           "--host", host, "--port", str(port), *GATEWAY_DEFAULTS,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra_args]
     log_path = Path(log_dir) / "gateway.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=own_session)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
         wait_for_workers(url, proc, len(worker_urls), startup_timeout, log_path)
