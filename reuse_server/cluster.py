@@ -189,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
     flag = owned_flag(serve_args)
     if flag:
         args.command_parser.error(f"{flag} is set by the cluster for each replica; use the cluster's own flags")
+    if args.policy == "power_of_two" and args.replicas < 2:
+        args.command_parser.error("--policy power_of_two needs at least 2 replicas (the gateway refuses fewer); "
+                                  "use --policy round_robin for one")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="reuse-cluster-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_stop)

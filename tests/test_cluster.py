@@ -83,8 +83,15 @@ def test_one_command_runs_redis_replicas_and_the_gateway_and_stops_them_all(tiny
                 proc.wait()
 
 
-@pytest.mark.parametrize("flag", ["--port", "--redis-url=redis://x:1/0", "--host"])
-def test_the_cluster_refuses_replica_flags_it_sets_itself(flag):
-    done = subprocess.run([sys.executable, "-m", "reuse_server.cli", "cluster", "--", flag, "9"], cwd=REPO,
+@pytest.mark.parametrize("args, message", [
+    (["--", "--port", "9"], "--port is set by the cluster"),
+    (["--", "--redis-url=redis://x:1/0"], "--redis-url is set by the cluster"),
+    (["--", "--host", "0.0.0.0"], "--host is set by the cluster"),
+    (["--replicas", "1", "--policy", "power_of_two"], "needs at least 2 replicas"),
+    (["--replicas", "0"], "must be at least 1"),
+    (["--policy", "fastest"], "invalid choice"),
+])
+def test_the_cluster_refuses_bad_flags_before_starting_anything(args, message):
+    done = subprocess.run([sys.executable, "-m", "reuse_server.cli", "cluster", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "set by the cluster" in done.stderr
+    assert done.returncode == 2 and message in done.stderr, done.stderr
