@@ -7,7 +7,7 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# report key -> counter sample name in the text format
+# report key -> sample name in the text format, or (name, labels the sample must carry)
 COUNTERS = {
     "prompt_tokens": "kvreuse_prompt_tokens_total",
     "generation_tokens": "kvreuse_generation_tokens_total",
@@ -23,15 +23,18 @@ COUNTERS = {
 RUNNING = "kvreuse_requests_running"
 
 
-def parse_counters(text: str) -> dict[str, float]:
-    """Counter values by report key, summed over label sets; absent counters are left out."""
-    wanted = {sample: key for key, sample in COUNTERS.items()}
+def parse_counters(text: str, counters: dict = COUNTERS) -> dict[str, float]:
+    """Values by report key, summed over the label sets that match; absent samples are left out."""
+    wanted: dict[str, list[tuple[str, dict]]] = {}
+    for key, spec in counters.items():
+        name, labels = (spec, {}) if isinstance(spec, str) else spec
+        wanted.setdefault(name, []).append((key, labels))
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            key = wanted.get(sample.name)
-            if key is not None:
-                out[key] = out.get(key, 0.0) + float(sample.value)
+            for key, labels in wanted.get(sample.name, ()):
+                if all(sample.labels.get(k) == v for k, v in labels.items()):
+                    out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 
@@ -43,13 +46,15 @@ def requests_running(text: str) -> float | None:
     return None
 
 
-def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None,
+                   counters: dict = COUNTERS) -> dict[str, float | None]:
     """after - before per counter; None where either side did not have it (or a scrape failed)."""
     return {key: (after[key] - before[key]) if before and after and key in before and key in after else None
-            for key in COUNTERS}
+            for key in counters}
 
 
-async def scrape(client: httpx.AsyncClient, server: str, settle_s: float = 2.0) -> dict[str, float] | None:
+async def scrape(client: httpx.AsyncClient, server: str, settle_s: float = 2.0,
+                 counters: dict = COUNTERS) -> dict[str, float] | None:
     """Counters once the server has no request running (waits up to `settle_s`, since the last
     response can reach us a moment before the server has finished its bookkeeping).
     None when /metrics cannot be read: the run goes on, the report just lacks the server's view."""
@@ -60,7 +65,7 @@ async def scrape(client: httpx.AsyncClient, server: str, settle_s: float = 2.0) 
             resp.raise_for_status()
             running = requests_running(resp.text)
             if not running or asyncio.get_running_loop().time() >= deadline:
-                return parse_counters(resp.text)
+                return parse_counters(resp.text, counters)
             await asyncio.sleep(0.05)
     except (httpx.HTTPError, ValueError):
         return None

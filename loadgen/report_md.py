@@ -106,6 +106,34 @@ def _step_rows(w: dict) -> list[list[str]]:
     return rows
 
 
+def _replica_lines(workloads: dict) -> list[str]:
+    """Per replica behind the gateway (run --replica-metrics): what each served and how evenly."""
+    rows, notes = [], []
+    for name, w in workloads.items():
+        rep = w.get("replicas")
+        if not rep:
+            continue
+        total = sum(e["requests"] or 0 for e in rep["per_replica"])
+        for e in rep["per_replica"]:
+            share = pct(e["requests"] / total) if e["requests"] is not None and total else "n/a"
+            rows.append([name, e["url"], f"{num(e['requests'])} ({share})", num(e["prompt_tokens"]),
+                         pct(e["prefix_hit_rate"]), ms(e["ttft_mean_ms"]), num(e["redis_hit_blocks"])])
+        s = rep["spread"]
+        if s["requests"] is not None:
+            cv = "n/a" if s["requests_cv"] is None else f"{s['requests_cv']:.2f}"
+            hit = s["prefix_hit_rate_range"]
+            notes.append(f"- **{name}**: busiest replica {pct(s['max_request_share'])} of the requests, coefficient of "
+                         f"variation {cv}" + (f", prefix hit rate {pct(hit[0])}..{pct(hit[1])}" if hit else ""))
+    if not rows:
+        return []
+    lines = ["", "## Replicas", "",
+             "Each replica's own `/metrics` over the cached phase: requests it finished, prefix hit rate (tokens), mean "
+             "TTFT (its histogram: arrival to first token), blocks it loaded from Redis.", ""]
+    lines += _table(["workload", "replica", "requests (share)", "prompt tokens", "prefix hit rate", "TTFT mean ms",
+                     "Redis hit blocks"], rows)
+    return lines + [""] + notes
+
+
 def render_markdown(report: dict, plot_files: list[str]) -> str:
     meta = report.get("meta", {})
     workloads = report["workloads"]
@@ -145,6 +173,7 @@ def render_markdown(report: dict, plot_files: list[str]) -> str:
                   "baseline) and the speedup.", ""]
         lines += _table(["step", "requests", "prompt tokens", "reuse rate", "TTFT ms", "baseline TTFT ms",
                          "TTFT speedup"], _step_rows(workloads[name]))
+    lines += _replica_lines(workloads)
     weak = [(n, w) for n, w in workloads.items() if w["prefix_hit_rate"] is not None and w["prefix_hit_rate"] < PREFIX_HELPS_BELOW]
     lines += ["", "## Where prefix reuse cannot help", ""]
     if weak:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from loadgen.client import BASELINE, CacheMode, LoadClient, discover_model, normalize_server_url
 from loadgen.errors import UsageError
 from loadgen.metrics_scrape import counter_deltas, scrape
+from loadgen.replica_metrics import replica_report, scrape_replicas
 from loadgen.render import render_outputs
 from loadgen.report import DEFAULT_MODEL_PARAMS, summarize, workload_entry, write_json
 from loadgen.runner import PhaseResult, run_phase
@@ -120,6 +121,9 @@ def register(subparsers) -> None:
     p.add_argument("--request-timeout", type=positive_float, default=300.0, help="seconds per request (default 300)")
     p.add_argument("--model-params", type=positive_float, default=DEFAULT_MODEL_PARAMS,
                    help="parameters of the served model, for prefill FLOPs = 2 x params x tokens (default 134.5e6)")
+    p.add_argument("--replica-metrics", nargs="+", default=[], metavar="URL",
+                   help="base URLs of the replicas behind --server (a gateway): their /metrics are read around each "
+                        "phase for per-replica requests, hit rate and TTFT, and their spread")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
@@ -164,8 +168,10 @@ def warmup_sessions(count: int, max_tokens: int) -> list[Session]:
 
 
 async def _phase(label: str, workload: Workload, server: str, model: str, mode: CacheMode, args,
-                 http: httpx.AsyncClient) -> tuple[PhaseResult, dict]:
+                 http: httpx.AsyncClient) -> tuple[PhaseResult, dict, dict | None]:
+    replicas = args.replica_metrics
     before = await scrape(http, server)
+    replicas_before = await scrape_replicas(http, replicas)
     client = LoadClient(server, model, mode, timeout_s=args.request_timeout, seed=args.seed)
     total = workload.planned_requests
     try:
@@ -175,7 +181,9 @@ async def _phase(label: str, workload: Workload, server: str, model: str, mode: 
     finally:
         await client.close()
     after = await scrape(http, server)
-    return result, counter_deltas(before, after)
+    replicas_after = await scrape_replicas(http, replicas)
+    per_replica = replica_report(replicas, replicas_before, replicas_after) if replicas else None
+    return result, counter_deltas(before, after), per_replica
 
 
 async def drive(workloads: list[Workload], server: str, model: str, baseline_server: str | None,
@@ -192,16 +200,18 @@ async def drive(workloads: list[Workload], server: str, model: str, baseline_ser
                 await warm.close()
         for wl in workloads:
             mode = cached_mode(args, f"{salt}/{wl.name}" if salt else None)
-            cached, cached_metrics = await _phase("cached", wl, server, model, mode, args, http)
+            cached, cached_metrics, cached_replicas = await _phase("cached", wl, server, model, mode, args, http)
             summary = summarize(cached.results, cached.wall_s, flops_per_token, cached.unsent)
             records.extend({"workload": wl.name, "phase": "cached", **r.to_dict()} for r in cached.results)
             if baseline_server is not None:
-                base, base_metrics = await _phase("baseline", wl, baseline_server, baseline_model, BASELINE, args, http)
+                base, base_metrics, _ = await _phase("baseline", wl, baseline_server, baseline_model, BASELINE, args, http)
                 records.extend({"workload": wl.name, "phase": "baseline", **r.to_dict()} for r in base.results)
                 entries[wl.name] = workload_entry(summary, cached_metrics,
                                                   summarize(base.results, base.wall_s, flops_per_token, base.unsent), base_metrics)
             else:
                 entries[wl.name] = workload_entry(summary, cached_metrics)
+            if cached_replicas is not None:
+                entries[wl.name]["replicas"] = cached_replicas
     return entries
 
 
@@ -228,6 +238,7 @@ def _jsonable(value):
 
 def main(args) -> int:
     names = parse_workload_names(args.workload)
+    args.replica_metrics = [normalize_server_url(url) for url in args.replica_metrics]
     if args.recompute_ratio is not None and args.kv_blend != "on":
         raise UsageError("--recompute-ratio needs --kv-blend on")
     server = normalize_server_url(args.server)
@@ -250,6 +261,7 @@ def main(args) -> int:
             "baseline": (None if baseline_server is None else
                          f"same workloads with prefix_cache off and kv_blend off, against {baseline_server}"),
             "kv_blend": args.kv_blend, "model_params": args.model_params, "flops_per_token": flops_per_token,
+            "replica_metrics": args.replica_metrics,
             "config": {k: _jsonable(v) for k, v in dataclasses.asdict(config).items()},
         },
         "workloads": entries,
@@ -264,6 +276,9 @@ def main(args) -> int:
                f"TTFT p50 {'n/a' if ttft is None else f'{ttft:.1f} ms'}"
         if "speedup" in w and w["speedup"]["ttft_p50"] is not None:
             line += f" ({w['speedup']['ttft_p50']:.2f}x vs baseline)"
+        requests = ((w.get("replicas") or {}).get("spread") or {}).get("requests")
+        if requests is not None:
+            line += ", requests per replica " + " / ".join(f"{r:.0f}" for r in requests)
         print(line)
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'requests.jsonl'}, " + ", ".join(str(p) for p in written))
     errors = sum(w["errors"] + (w.get("baseline") or {}).get("errors", 0) for w in entries.values())

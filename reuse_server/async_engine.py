@@ -35,6 +35,7 @@ from reuse_server.sampling_params import CacheOptions, SamplingParams
 log = logging.getLogger(__name__)
 
 SHUTDOWN_JOIN_SECONDS = 30.0
+SHARED_WRITE_WAIT_TIMEOUTS = 4  # a finished request waits for its Redis writes at most this many --redis-timeout
 
 
 class AsyncEngine:
@@ -58,6 +59,9 @@ class AsyncEngine:
         self._count_lock = threading.Lock()
         self._inbox_adds = 0
         self._engine_waiting = 0
+        # ... and their tokens (prompt, plus output of a preempted sequence), for the load a gateway reads
+        self._inbox_tokens = 0
+        self._engine_waiting_tokens = 0
         self.dead_reason: str | None = None
         self.draining = False
 
@@ -131,6 +135,12 @@ class AsyncEngine:
         with self._count_lock:
             return self._inbox_adds + self._engine_waiting
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens of the requests counted by num_waiting: what they will need in the KV pool once scheduled."""
+        with self._count_lock:
+            return self._inbox_tokens + self._engine_waiting_tokens
+
     def unavailable_reason(self) -> str | None:
         """Why the engine takes no new work, or None when it does."""
         if self.dead_reason is None and self._thread is not None and not self._thread.is_alive():
@@ -150,6 +160,19 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         self._started.set()
+
+    async def settle_shared_writes(self) -> None:
+        """Return once the blocks the pool has published so far are written to the shared tier (Redis), or
+        after a bounded wait. A finished request's blocks are handed to the tier's background writer before
+        its last output leaves the engine thread, so waiting here before answering means that the next turn
+        of the conversation finds them on whichever replica it lands on. Without a shared tier, or when the
+        writer has caught up already, nothing waits."""
+        tiers = self.engine.tiers
+        mark = tiers.shared_write_mark() if tiers is not None else None
+        if mark is None or tiers.shared_writes_settled(mark):
+            return
+        timeout = SHARED_WRITE_WAIT_TIMEOUTS * self.engine.config.redis_timeout
+        await asyncio.to_thread(tiers.shared_writes_settled, mark, timeout)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (ServerDraining); those in flight go on."""
@@ -199,6 +222,7 @@ class AsyncEngine:
         self._queues[request_id] = stream.queue
         with self._count_lock:
             self._inbox_adds += 1
+            self._inbox_tokens += len(prompt_token_ids)
         self._submit(("add", request_id, list(prompt_token_ids), params, cache or CacheOptions()))
         return stream
 
@@ -226,12 +250,13 @@ class AsyncEngine:
             pass
 
     def _drain_inbox(self) -> None:
-        added = 0
+        added = added_tokens = 0
         try:
             while self._inbox:
                 kind, request_id, *rest = self._inbox.popleft()
                 if kind == "add":
                     added += 1
+                    added_tokens += len(rest[0])
                     try:
                         self.engine.add_request(request_id, *rest)
                     except Exception as exc:  # validated already; anything here is reported to that request alone
@@ -239,12 +264,16 @@ class AsyncEngine:
                 else:
                     self.engine.abort(request_id)
         finally:
-            self._count_waiting(added)
+            self._count_waiting(added, added_tokens)
 
-    def _count_waiting(self, drained_adds: int = 0) -> None:
+    def _count_waiting(self, drained_adds: int = 0, drained_tokens: int = 0) -> None:
+        waiting = self.engine.scheduler.waiting
+        tokens = sum(seq.num_tokens for seq in waiting)
         with self._count_lock:
             self._inbox_adds -= drained_adds
-            self._engine_waiting = len(self.engine.scheduler.waiting)
+            self._inbox_tokens -= drained_tokens
+            self._engine_waiting = len(waiting)
+            self._engine_waiting_tokens = tokens
 
     def _run(self) -> None:
         try:
@@ -330,6 +359,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._end(abort=False)
+            if item.finish_reason != "abort":
+                await self._owner.settle_shared_writes()
         return item
 
     async def _next(self):

@@ -270,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="log verbosity")
     add_kv_calc_parser(commands)
+    from reuse_server.cluster import add_parser as add_cluster_parser  # torch-free
+
+    add_cluster_parser(commands, _HelpFormatter)
     return parser
 
 
@@ -380,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "kv-calc":
         return kv_calc(args)
+    if args.command == "cluster":
+        from reuse_server.cluster import run as run_cluster
+
+        return run_cluster(args)
     return 2
 
 

@@ -3,6 +3,7 @@ a real server: the caller gets its base URL once /health answers, and the proces
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+
+def own_session() -> None:
+    """In the child, before exec: a session of its own (the terminal's Ctrl+C does not reach it; its owner
+    stops it in its own order), and, on Linux, SIGTERM when the owner dies, so that a killed owner leaves no
+    orphan behind."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class ServerStartError(RuntimeError):
@@ -26,15 +38,17 @@ def free_port() -> int:
 
 @contextmanager
 def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0,
-           cwd: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+           cwd: Path | None = None, new_session: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (base URL, process) of `reuse-server serve *serve_args` (port and log level chosen here);
-    its output goes to log_path."""
+    its output goes to log_path. new_session: the server does not get the terminal's Ctrl+C (its owner stops
+    it, in its own order) and gets SIGTERM if its owner dies."""
     port = free_port()
     cmd = [sys.executable, "-m", "reuse_server.cli", "serve", "--port", str(port), "--log-level", "warning",
            *serve_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=own_session if new_session else None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
@@ -64,7 +78,8 @@ def _tail(log_path: Path, chars: int = 3000) -> str:
 
 
 @contextmanager
-def redis_process(port: int | None = None, maxmemory: str = "1gb") -> Iterator[tuple[str, subprocess.Popen]]:
+def redis_process(port: int | None = None, maxmemory: str = "1gb",
+                  new_session: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """A local redis-server (Debian's `redis-server` on PATH) on a free loopback port, run as the README tells
     users to run it for the KV tier: no persistence, an LRU memory bound. Yields (URL, process)."""
     import shutil
@@ -77,7 +92,8 @@ def redis_process(port: int | None = None, maxmemory: str = "1gb") -> Iterator[t
     port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=own_session if new_session else None)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         client = redis.Redis.from_url(url, socket_timeout=1)

@@ -157,3 +157,35 @@ def test_report_command_errors(tmp_path, capsys):
     (tmp_path / "report.json").write_text('{"rows": []}')
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "not a loadgen report" in capsys.readouterr().err
+
+
+def test_replica_counters_match_labels_and_spread_says_how_even_the_work_was():
+    from prometheus_client import Histogram
+
+    from loadgen.replica_metrics import REPLICA_COUNTERS, replica_report
+
+    def replica(requests: int, hits: int, ttft: list[float], redis_hits: int):
+        registry = CollectorRegistry()
+        Counter("kvreuse_requests", "finished", ["finish_reason"], registry=registry).labels("length").inc(requests)
+        Counter("kvreuse_prefix_cache_queries", "q", registry=registry).inc(100)
+        Counter("kvreuse_prefix_cache_hits", "h", registry=registry).inc(hits)
+        tier = Counter("kvreuse_tier_hits", "tier hits", ["tier"], registry=registry)
+        tier.labels("host").inc(1000)  # another tier's hits are not Redis's
+        tier.labels("redis").inc(redis_hits)
+        histogram = Histogram("kvreuse_time_to_first_token_seconds", "ttft", registry=registry)
+        for t in ttft:
+            histogram.observe(t)
+        return parse_counters(generate_latest(registry).decode(), REPLICA_COUNTERS)
+
+    zero = {key: 0.0 for key in REPLICA_COUNTERS}
+    after = [replica(6, 50, [0.1, 0.3], 4), replica(2, 90, [0.2], 0)]
+    report = replica_report(["http://a", "http://b"], [zero, zero], after)
+    a, b = report["per_replica"]
+    assert a["requests"] == 6 and a["prefix_hit_rate"] == 0.5 and a["redis_hit_blocks"] == 4
+    assert a["ttft_mean_ms"] == pytest.approx(200.0) and b["ttft_mean_ms"] == pytest.approx(200.0)
+    spread = report["spread"]
+    assert spread["requests"] == [6, 2] and spread["max_request_share"] == 0.75
+    assert spread["requests_cv"] == pytest.approx(0.5) and spread["prefix_hit_rate_range"] == [0.5, 0.9]
+    # a replica whose /metrics could not be read leaves its figures, and the spread, unknown
+    unknown = replica_report(["http://a", "http://b"], [zero, None], after)
+    assert unknown["per_replica"][1]["requests"] is None and unknown["spread"]["requests"] is None

@@ -22,6 +22,7 @@ from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, 
                                        CachePrefetchResponse, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
+from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
 from reuse_server.sampling_params import InvalidRequest
 
 _STARTED = int(time.time())
@@ -69,6 +70,22 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse(HealthStatus(status="draining", reason=reason).model_dump(), status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_DRAINING)})
     return JSONResponse(HealthStatus(status="dead", reason=reason).model_dump(), status_code=503)
+
+
+# What a load-balancing gateway asks of a worker (api/worker_info.py); open like /health.
+@router.get("/server_info", response_model=ServerInfo)
+async def get_server_info(request: Request) -> ServerInfo:
+    return server_info(request.app.state.engine)
+
+
+@router.get("/model_info", response_model=ModelInfo)
+async def get_model_info(request: Request) -> ModelInfo:
+    return model_info(request.app.state.engine)
+
+
+@router.get("/get_load", response_model=list[RankLoad])
+async def get_load(request: Request) -> list[RankLoad]:
+    return load(request.app.state.engine)
 
 
 @v1.get("/models", response_model=ModelList, responses=_UNAUTHORIZED)

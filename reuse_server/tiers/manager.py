@@ -181,6 +181,17 @@ class KVTiers:
             pulled[f.tier] = pulled.get(f.tier, 0) + bs
         return pulled
 
+    # ---- shared writes -----------------------------------------------------------------------
+    def shared_write_mark(self) -> int | None:
+        """Where the shared tier's (Redis's) writer stands now: every block the pool has published so far has
+        been handed to it. None without a shared tier."""
+        return self.remote.writer.mark() if self.remote is not None else None
+
+    def shared_writes_settled(self, mark: int, timeout: float = 0.0) -> bool:
+        """Whether the blocks handed to the shared tier before `mark` are written (or dropped), waiting up to
+        `timeout` seconds: another server can then find them."""
+        return self.remote.writer.settled(mark, timeout)
+
     # ---- lifecycle and figures -------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.costs.observe_prefill(tokens, seconds)

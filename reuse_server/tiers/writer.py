@@ -1,6 +1,7 @@
 """A tier's background writer: blocks to store wait in a queue bounded in bytes and are written by one
 thread, so storing never blocks a request; past the bound new blocks are dropped (and counted), never
-waited for."""
+waited for. `mark()` and `settled(mark)` tell whether every block handed over before the mark has been
+written (or dropped), for a caller that must not answer before then."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,8 @@ class BackgroundWriter:
         self._queued_bytes = 0
         self._busy = False
         self._closing = False
+        self._handed = 0  # blocks given to put() so far
+        self._done = 0  # ... of which written or dropped
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"{name}-writer", daemon=True)
         self._thread.start()
@@ -35,15 +38,32 @@ class BackgroundWriter:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
+    def mark(self) -> int:
+        with self._cond:
+            return self._handed
+
+    def settled(self, mark: int, timeout: float = 0.0) -> bool:
+        """Whether every block handed over before `mark` is written or dropped, waiting up to `timeout` s."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._done < mark:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def put(self, entries: list[BlockEntry]) -> None:
         with self._cond:
+            self._handed += len(entries)
             for entry in entries:
                 if self._closing or self._queued_bytes + entry.nbytes > self.max_bytes:
                     self.stats.dropped_writes += 1
+                    self._done += 1
                     continue
                 self._queue.append(entry)
                 self._queued_bytes += entry.nbytes
-            self._cond.notify()
+            self._cond.notify_all()  # the writer thread, among callers waiting in settled()
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued block is written; False if `timeout` seconds were not enough."""
@@ -82,5 +102,6 @@ class BackgroundWriter:
             finally:
                 with self._cond:
                     self._queued_bytes -= sum(e.nbytes for e in batch)
+                    self._done += len(batch)
                     self._busy = False
                     self._cond.notify_all()
