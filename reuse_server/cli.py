@@ -12,6 +12,7 @@ from reuse_server.openmp import apply_short_spin  # torch-free
 apply_short_spin()  # before torch is imported: see reuse_server/openmp.py
 
 from reuse_server.config import EngineConfig  # noqa: E402
+from reuse_server.kv_layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
@@ -146,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
-                       help="weight and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                       help="weight dtype, and the KV cache's unless --kv-dtype says otherwise (auto: float32 on "
+                            "CPU, bfloat16 on CUDA)")
+    serve.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=KV_DTYPE_CHOICES,
+                       help="KV cache storage type, separate from the weights' (auto: the weights' dtype). fp16 "
+                            "and bf16 halve the pool's bytes per token; fp8_e4m3 (an fp32 scale per block and KV "
+                            "head) and int8 (an fp32 scale per token and KV head) store about a quarter, so "
+                            "--kv-cache-memory holds that many more tokens; attention dequantizes as it reads")
     serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["native", "onednn", "torch"],
                        help="on the CPU, run linear layers on weights packed once at start: through the C++ kernel "
                             "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
@@ -222,8 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_kv_calc_parser(commands) -> None:
-    from reuse_server.kv_layout import KV_DTYPE_CHOICES  # torch-free, like everything kv-calc imports
-
     calc = commands.add_parser(
         "kv-calc", help="how much KV cache a model needs and what fits in memory (reads the config only)",
         formatter_class=_HelpFormatter,
@@ -249,6 +254,7 @@ def add_kv_calc_parser(commands) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

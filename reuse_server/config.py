@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reuse_server import kv_layout  # torch-free
+
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 CPU_MATMULS = ("native", "onednn", "torch")
@@ -27,6 +29,8 @@ class EngineConfig:
     served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    # the KV pool's storage (kv_layout.KV_DTYPES: fp32, fp16, bf16, fp8_e4m3, int8); auto: the weights' dtype
+    kv_dtype: str = "auto"
     # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
     # torch (F.linear)
     cpu_matmul: str = "native"
@@ -61,6 +65,10 @@ class EngineConfig:
         problems = []
         if self.dtype != "auto" and self.dtype not in DTYPES:
             problems.append(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        try:
+            kv_layout.kv_dtype(self.kv_dtype)
+        except ValueError as exc:
+            problems.append(str(exc))
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
         if self.cpu_attention not in CPU_ATTENTIONS:

@@ -19,6 +19,7 @@ from reuse_server.block_manager import BlockManager
 from reuse_server.blending import Blender, BlendSettings
 from reuse_server.config import EngineConfig, resolve_dtype
 from reuse_server.fingerprint import ModelFingerprint, fingerprint
+from reuse_server import kv_quant
 from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.config import ModelConfig
@@ -65,7 +66,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     model, mc = load_model(path, dtype=dtype, device=config.device)
     tokenizer = load_tokenizer(path)
     bs = config.block_size
-    kv_dtype = dtype
+    kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
     identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo)
     model.pack_for_cpu(config.cpu_matmul)
     # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
@@ -79,10 +80,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
                                                                        mc.head_dim, kv_dtype)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
-    kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device)
+    kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device,
+                read_dtype=dtype)
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
                        policy=config.eviction_policy)
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks, kv.clear_blocks)
     chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
@@ -101,8 +103,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
         kv=kv, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
         runner=ModelRunner(model, kv, config.device), sampler=Sampler())
-    log.info("model fingerprint %s; KV pool %d blocks of %d tokens (%.0f MiB)", identity.short, num_blocks, bs,
-             kv.nbytes / 2**20)
+    log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
+             identity.short, num_blocks, bs, kv_quant.spec(kv.dtype).name, kv.bytes_per_token, kv.nbytes / 2**20)
     _return_freed_memory()
     return parts
 

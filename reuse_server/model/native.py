@@ -33,6 +33,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # The kernels' C signatures (argument types, result type), declared once for every caller.
 SIGNATURES = {
     "kv_paged_attention_f32": ([_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
+    "kv_paged_attention": ([_P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
     "kv_linear_f32": ([_P, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "kv_rms_norm_f32": ([_P, _I, _I, _I, _P, _F, _P, _I], None),
     "kv_silu_mul_f32": ([_P, _I, _I, _P, _I], None),
