@@ -148,10 +148,13 @@ class KVPool:
         dtype: "torch.dtype | str" = torch.float32,
         device: torch.device | str = "cpu",
         read_dtype: torch.dtype = torch.float32,
+        native_store: bool = True,
     ):
         """dtype: the storage dtype, a torch dtype (torch.float8_e4m3fn and torch.int8 are the 8-bit formats
         with their scales) or a kv_layout name ('fp8_e4m3', 'int8', ...). read_dtype: what reads of an 8-bit
-        pool dequantize into (the model's compute dtype); the other pools read back their own dtype."""
+        pool dequantize into (the model's compute dtype); the other pools read back their own dtype.
+        native_store: an 8-bit pool on the CPU quantizes its writes through the C++ kernel where it can be
+        built (False: torch's ops, the same arithmetic)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks=} {block_size=}")
         dtype = kv_quant.storage_dtype(dtype)
@@ -170,6 +173,11 @@ class KVPool:
         self._data = torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
                                  device=self.device)
         self._scales = None
+        self._native_store = None
+        if self.quantized and native_store and self.device.type == "cpu":
+            from reuse_server.model import cpu_kv_store
+
+            self._native_store = cpu_kv_store.load()
         if self.quantized:
             tokens = (block_size,) if self.scale_per == "token" else ()
             self._scales = torch.zeros((num_layers, 2, num_blocks, *tokens, num_kv_heads), dtype=torch.float32,
@@ -406,18 +414,41 @@ class KVPool:
             flat = data.view(planes, self.num_slots, self.num_kv_heads, self.head_dim)
             flat.index_copy_(1, slots, values.to(self.dtype))
             return
+        if self._native_store is not None:
+            self._native_store.store(data, scales, slots, values)
+            return
         if self.scale_per == "token":
             stored, scale = kv_quant.quantize_tokens(values, self.dtype)
             data.view(planes, self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(1, slots, stored)
             scales.view(planes, self.num_slots, self.num_kv_heads).index_copy_(1, slots, scale)
             return
-        # fp8: the blocks the slots fall in, rewritten whole at the scale their kept and new tokens need
-        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        self._store_fp8(data, scales, slots, values)
+
+    def _store_fp8(self, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """fp8: each block the slots fall in takes the scale its kept tokens (those not written now) and its
+        new ones need together; where that changes the scale, the kept tokens are re-expressed at it (exact
+        for a power-of-two change, unless a token falls below e4m3's normal range). Decode appends mostly
+        fit the block's scale as it is, and a fresh block keeps nothing, so the common writes only quantize
+        the new tokens."""
+        planes, bs = data.shape[0], self.block_size
+        raw = data.view(torch.uint8)
+        blocks = torch.div(slots, bs, rounding_mode="floor")
         touched, where = torch.unique(blocks, return_inverse=True)
-        current = kv_quant.dequantize_blocks(data[:, touched], scales[:, touched])
-        current[:, where, slots - blocks * self.block_size] = values.float()
-        stored, scale = kv_quant.quantize_blocks(current, self.dtype)
-        data[:, touched] = stored
+        old = scales[:, touched]  # [planes, blocks touched, heads]
+        kept = raw[:, touched]  # a copy: [planes, blocks touched, block_size, heads, dim]
+        kept[:, where, slots - blocks * bs] = 0  # what is written now is not kept
+        kept_amax = kv_quant.fp8_magnitude((kept & 0x7F).amax(dim=(2, 4))) * old
+        token_amax = values.float().abs().amax(-1)  # [planes, T, heads]
+        new_amax = torch.zeros_like(old).scatter_reduce_(1, where[None, :, None].expand_as(token_amax), token_amax,
+                                                         "amax")
+        scale = kv_quant.fp8_scale(torch.maximum(kept_amax, new_amax))
+        moved = ((scale != old) & (kept_amax > 0)).any(-1).any(0).nonzero(as_tuple=True)[0]
+        if moved.numel():
+            rescaled = kv_quant.dequantize_blocks(kept[:, moved].view(self.dtype), old[:, moved])
+            raw[:, touched[moved]] = kv_quant.quantize_fp8(rescaled, scale[:, moved, None, :, None]).view(torch.uint8)
+        stored = kv_quant.quantize_fp8(values, scale[:, where, :, None])
+        raw.view(planes, self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(1, slots,
+                                                                                      stored.view(torch.uint8))
         scales[:, touched] = scale
 
     # ---- whole blocks, for tiers -----------------------------------------------------------

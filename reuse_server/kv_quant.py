@@ -53,9 +53,10 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """The smallest power of two s with amax <= 448 * s (0 where amax is 0)."""
-    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax / 448 = mantissa * 2^exponent, mantissa in [0.5, 1)
-    scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).to(exponent.dtype))
-    return torch.where(amax > 0, scale, torch.zeros_like(amax))
+    # on the float32 bits: adding all-ones to the mantissa carries into the exponent unless the mantissa is
+    # zero (already a power of two); then clearing the mantissa leaves the power of two at or above
+    bits = (amax.float() / FP8_MAX).view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,31 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(x.float() / _safe(scale)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 
+def fp8_to_float(stored: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32, through fp16: e4m3's bits shifted into an fp16's sign, exponent and top
+    mantissa bits are the same number times 2^-8, and fp16 widens in vector instructions (torch's own fp8
+    conversion is element by element, several times slower)."""
+    bits = stored.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 is the sign
+    half = ((bits << 7) & -0x8000) | ((bits & 0x7F) << 7)
+    return half.view(torch.float16).float().mul_(256.0)
+
+
+# |value| of each e4m3 code without its sign bit (0..127), for a block's largest magnitude from its bytes:
+# e4m3 orders like its bit patterns, so the largest |value| has the largest (code & 0x7f).
+_FP8_MAGNITUDES = torch.arange(128, dtype=torch.uint8).view(FP8).float().nan_to_num_(nan=FP8_MAX)
+
+
+def fp8_magnitude(codes: torch.Tensor) -> torch.Tensor:
+    """The |value| (before the scale) of e4m3 codes with their sign bit cleared, as float32."""
+    return _FP8_MAGNITUDES.to(codes.device)[codes.long()]
+
+
 def dequantize(stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """stored * scale (scale already broadcastable against stored; None for the plain formats) in `dtype`."""
     if scale is None:
         return stored.to(dtype)
-    return (stored.float() * scale).to(dtype)
+    wide = fp8_to_float(stored) if stored.dtype == FP8 else stored.float()
+    return wide.mul_(scale).to(dtype)
 
 
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -253,3 +253,26 @@ def test_layout_describes_its_sections():
     assert scales_section["shape"] == [LAYERS, 2, HEADS] and scales_section["per"] == "block"
     assert make_pool(torch.int8).layout.describe()["sections"][1]["shape"] == [LAYERS, 2, BS, HEADS]
     assert len(make_pool(torch.bfloat16).layout.describe()["sections"]) == 1
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_the_cpu_kernel_quantizes_as_torch_does(dtype):
+    """The C++ store (the CPU's path) and torch's ops (the GPU's, and the CPU's without a compiler) leave the
+    same bytes and scales after the same writes: appends, partial rewrites, copies, re-RoPE; and values on
+    rounding ties, at the format's limits and below its normal range."""
+    native, plain = make_pool(dtype), KVPool(LAYERS, BLOCKS, BS, HEADS, DIM, dtype, native_store=False)
+    assert native._native_store is not None and plain._native_store is None
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float().nan_to_num(0.0)
+    ties = (codes[1:127] + codes[:126]) / 2  # halfway between neighbouring codes: rounds to the even one
+    special = torch.cat([codes, ties, -ties, torch.tensor([1000.0, -500.0, 1e-12, -0.0])])
+    special = special[:len(special) // (HEADS * DIM) * HEADS * DIM].view(-1, HEADS, DIM)
+    for pool in (native, plain):
+        pool.write(0, torch.arange(len(special)), special, special * 3)
+        pool.write(1, torch.arange(pool.num_slots), values(pool.num_slots, 50), values(pool.num_slots, 51))
+        for i in range(6):  # decode appends into block 9, growing
+            pool.write(0, torch.tensor([36 + i % 4]), values(1, 60 + i) * 3.0**i, values(1, 70 + i))
+        pool.write(1, torch.tensor([5, 17, 18]), values(3, 80) * 100, values(3, 81) / 100)
+        pool.copy_slots(torch.tensor([1, 2, 3, 30]), torch.tensor([44, 45, 12, 13]))
+        pool.rerope(torch.tensor([44, 45, 12]), torch.arange(3), torch.arange(3) + 77, default_inv_freq(DIM))
+    assert torch.equal(native._data.view(torch.uint8), plain._data.view(torch.uint8))
+    assert torch.equal(native._scales, plain._scales)
