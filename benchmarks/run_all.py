@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_burst": ["--requests", "4", "--system-tokens", "512", "--budget", "8192"],
     "bench_rerope": ["--tokens", "1024", "--repeats", "3"],
     "bench_blend": ["--cases", "5", "--ratios", "0,0.15"],
+    "bench_kv_dtype": ["--kl-prompts", "4", "--greedy-prompts", "2", "--greedy-tokens", "64", "--needle-cases", "5",
+                       "--ttft-tokens", "2048", "--repeats", "2"],
 }
 
 
