@@ -156,17 +156,33 @@ def decode_speed(engines: dict[str, LLMEngine], batch: int, context: int, tokens
 
 
 # ---- blending: re-RoPE on quantized keys ------------------------------------------------------------------
-def chunk_keys(engine: LLMEngine, ids: list[int]) -> list[torch.Tensor]:
-    """Every layer's post-RoPE keys [n, heads, dim] of a prompt computed from position 0 (fp32 pool)."""
-    engine.add_request("keys", ids, SamplingParams(max_tokens=1), CacheOptions(prefix_cache=True))
-    while engine.has_work():
-        engine.step()
+def prompt_keys(engine: LLMEngine, rid: str, ids: list[int]) -> torch.Tensor:
+    """Every layer's post-RoPE keys [layers, n, heads, dim] of the prompt's full blocks, computed from
+    position 0 on the engine's pool (filed in its prefix cache, read back through it)."""
+    run_one(engine, rid, ids, [], blend=False, ratio=None, max_tokens=1, prefix_cache=True)
     engine.sampler.first_logits.clear()
-    full = (len(ids) - 1) // engine.kv.block_size * engine.kv.block_size
-    match = engine.cache.match(ids[:full], b"", record_stats=False)
     bs = engine.kv.block_size
+    full = (len(ids) - 1) // bs * bs
+    match = engine.cache.match(ids[:full], b"", record_stats=False)
     slots = torch.tensor([match.block_ids[p // bs] * bs + p % bs for p in range(full)])
-    return [k.float().clone() for k in engine.kv.read_keys(slots)]
+    return torch.stack([k.float() for k in engine.kv.read_keys(slots)])
+
+
+def blend_key_deviation(engine: LLMEngine, case, inv_freq: torch.Tensor) -> float:
+    """What blending itself changes in a reused key, for scale: a passage's keys computed alone (after the
+    template's opening) and moved to where the passage sits in a prompt, against the keys a full prefill of
+    that prompt computes there (relative RMS over every layer; layer 0 agrees exactly)."""
+    tok = engine.tokenizer
+    lead = template_lead(tok)
+    ids, spans = prompt_for(tok, case.passages)
+    start, n = spans[1]  # a passage that other text precedes
+    in_context = prompt_keys(engine, "dev-full", ids)[:, start:start + n]
+    alone_ids = lead + list(ids[start:start + n])
+    alone = prompt_keys(engine, "dev-alone", alone_ids + [alone_ids[-1]])[:, len(lead):len(lead) + n]
+    n = min(alone.shape[1], in_context.shape[1])
+    positions = torch.arange(len(lead), len(lead) + n)
+    moved = torch.stack([rerope_dense(k[:n], start - len(lead), inv_freq, old_pos=positions) for k in alone])
+    return float((moved - in_context[:, :n]).norm() / in_context[:, :n].norm())
 
 
 def rerope_errors(keys: list[torch.Tensor], dtype: str, shifts: list[int], inv_freq: torch.Tensor) -> dict:
@@ -294,7 +310,8 @@ def main() -> None:
     prompts = text_prompts(tok, args.kl_prompts, args.kl_words)
     cases = make_cases(args.needle_cases, 4, 0, 200)
     inv_freq = base.model.rotary.inv_freq.float().cpu()
-    keys = chunk_keys(base, prompts[0])
+    keys = list(prompt_keys(base, "keys", prompts[0]))
+    rows.append(emit(bench="blend_key_deviation", relative_rms=round(blend_key_deviation(base, cases[0], inv_freq), 4)))
 
     if args.ab_kernel_ref:
         rows.append(emit(**kernel_ab(base, args.ab_kernel_ref, source, args.ttft_tokens, max(args.repeats, 5))))
