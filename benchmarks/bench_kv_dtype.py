@@ -39,7 +39,6 @@ from benchmarks.bench_ttft import TextSource, conversation, with_last_line
 from blend.chunking import render_chat_chunks
 from blend.key_shift import unrope
 from blend.rope import apply_rope, rerope_dense
-from reuse_server import kv_quant
 from reuse_server.config import EngineConfig
 from reuse_server.engine import LLMEngine
 from reuse_server.engine_builder import build_engine
@@ -297,6 +296,7 @@ def main() -> None:
     ap.add_argument("--tier-dtypes", default="bf16,fp8_e4m3,int8")
     ap.add_argument("--rerope-shifts", default="37,500,2000")
     ap.add_argument("--ab-kernel-ref", default=None, help="git revision whose fp32 attention kernel to A/B against")
+    ap.add_argument("--speed-only", action="store_true", help="sizes, warm TTFT and decode speed only (no quality)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not DOCS.exists():
@@ -307,36 +307,39 @@ def main() -> None:
     tok = base.tokenizer
     mc = base.model_config
     source = TextSource(tok)
+    quality = not args.speed_only
     prompts = text_prompts(tok, args.kl_prompts, args.kl_words)
     cases = make_cases(args.needle_cases, 4, 0, 200)
     inv_freq = base.model.rotary.inv_freq.float().cpu()
-    keys = list(prompt_keys(base, "keys", prompts[0]))
-    rows.append(emit(bench="blend_key_deviation", relative_rms=round(blend_key_deviation(base, cases[0], inv_freq), 4)))
 
     if args.ab_kernel_ref:
         rows.append(emit(**kernel_ab(base, args.ab_kernel_ref, source, args.ttft_tokens, max(args.repeats, 5))))
 
-    ref_logits = [first_logits(base, f"kl-fp32-{i}", ids) for i, ids in enumerate(prompts)]
-    ref_greedy = greedy(base, prompts[:args.greedy_prompts], args.greedy_tokens, "fp32")
-    fp32_row = dict(bench="kv_dtype", kv_dtype="fp32", bytes_per_token=base.kv.bytes_per_token,
-                    tokens_per_gib=int(2**30 / base.kv.bytes_per_token), first_token_kl_median=0.0,
-                    greedy_prefix_agreement=1.0, **needle(base, cases, args.needle_ratio, 16, "fp32"))
-    rows.append(emit(**fp32_row))
-    for name, value in tier_round_trip_kl(base, prompts, args.tier_dtypes.split(",")).items():
-        rows.append(emit(bench="tier_kv_dtype", pool="fp32", tier_kv_dtype=name, **value))
+    if quality:
+        keys = list(prompt_keys(base, "keys", prompts[0]))
+        rows.append(emit(bench="blend_key_deviation",
+                         relative_rms=round(blend_key_deviation(base, cases[0], inv_freq), 4)))
+        ref_logits = [first_logits(base, f"kl-fp32-{i}", ids) for i, ids in enumerate(prompts)]
+        ref_greedy = greedy(base, prompts[:args.greedy_prompts], args.greedy_tokens, "fp32")
+        rows.append(emit(bench="kv_dtype", kv_dtype="fp32", bytes_per_token=base.kv.bytes_per_token,
+                         tokens_per_gib=int(2**30 / base.kv.bytes_per_token), first_token_kl_median=0.0,
+                         greedy_prefix_agreement=1.0, **needle(base, cases, args.needle_ratio, 16, "fp32")))
+        for name, value in tier_round_trip_kl(base, prompts, args.tier_dtypes.split(",")).items():
+            rows.append(emit(bench="tier_kv_dtype", pool="fp32", tier_kv_dtype=name, **value))
 
     for kv_dtype in args.dtypes.split(","):
         engine = make_engine(kv_dtype, args.kv_cache_memory)
-        kls = [kl(ref, first_logits(engine, f"kl-{kv_dtype}-{i}", ids))
-               for i, (ref, ids) in enumerate(zip(ref_logits, prompts))]
         row = dict(bench="kv_dtype", kv_dtype=kv_dtype, bytes_per_token=engine.kv.bytes_per_token,
                    tokens_per_gib=int(2**30 / engine.kv.bytes_per_token),
-                   pool_blocks=engine.kv.num_blocks, fp32_pool_blocks=base.kv.num_blocks,
-                   first_token_kl_median=statistics.median(kls), first_token_kl_max=max(kls),
-                   **agreement(ref_greedy, greedy(engine, prompts[:args.greedy_prompts], args.greedy_tokens, kv_dtype)),
-                   **needle(engine, cases, args.needle_ratio, 16, kv_dtype))
-        if kv_quant.spec(engine.kv.dtype).scale_per is not None or kv_dtype in ("fp16", "bf16"):
-            row.update(rerope_errors(keys, kv_dtype, [int(s) for s in args.rerope_shifts.split(",")], inv_freq))
+                   pool_blocks=engine.kv.num_blocks, fp32_pool_blocks=base.kv.num_blocks)
+        if quality:
+            kls = [kl(ref, first_logits(engine, f"kl-{kv_dtype}-{i}", ids))
+                   for i, (ref, ids) in enumerate(zip(ref_logits, prompts))]
+            row.update(first_token_kl_median=statistics.median(kls), first_token_kl_max=max(kls),
+                       **agreement(ref_greedy, greedy(engine, prompts[:args.greedy_prompts], args.greedy_tokens,
+                                                      kv_dtype)),
+                       **needle(engine, cases, args.needle_ratio, 16, kv_dtype),
+                       **rerope_errors(keys, kv_dtype, [int(s) for s in args.rerope_shifts.split(",")], inv_freq))
         pair = {"fp32": base, kv_dtype: engine}
         ttft = warm_ttft(pair, source, args.ttft_tokens, args.repeats)
         row.update(warm_ttft_ms=round(ttft[kv_dtype] * 1e3, 2), warm_ttft_fp32_ms=round(ttft["fp32"] * 1e3, 2),
