@@ -109,3 +109,22 @@ def test_cli_and_config_take_the_kv_dtype():
         build_parser().parse_args(["serve", "--kv-dtype", "int4"])
     with pytest.raises(ValueError, match="unknown KV dtype 'int4'"):
         EngineConfig(kv_dtype="int4").validate()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_blocks_a_previous_owner_filled_compute_as_fresh_ones(checkpoint, kv_dtype):
+    """A prompt's partly filled last block and the blocks decode appends to: on an fp8 pool each block's
+    scale must come from its new owner's tokens alone, so a pool whose blocks all held large K/V before
+    gives exactly the logprobs a fresh pool gives."""
+    prompt = list(range(5, 5 + 4 * BS + 2))  # ends 2 tokens into a block
+    fresh = make_engine(checkpoint, kv_dtype=kv_dtype)
+    used = make_engine(checkpoint, kv_dtype=kv_dtype)
+    kv = used.kv
+    gen = torch.Generator().manual_seed(12)
+    print("seed 12")
+    shape = (kv.num_slots, kv.num_kv_heads, kv.head_dim)
+    for layer in range(kv.num_layers):  # every block held someone's KV, far larger than the prompt's
+        kv.write(layer, torch.arange(kv.num_slots), 1e3 * torch.randn(shape, generator=gen),
+                 1e3 * torch.randn(shape, generator=gen))
+    want, got = run(fresh, "a", prompt), run(used, "a", prompt)
+    assert got[0] == want[0] and got[1] == want[1]
