@@ -110,6 +110,23 @@ def run_one(engine: LLMEngine, rid: str, ids, spans, blend: bool, ratio: float |
     return out_ids, first, last
 
 
+def template_lead(tokenizer) -> list[int]:
+    """The template's framing before the first passage: a precomputed chunk can be computed after it, so it
+    sees the same attention sink (the prompt's first tokens) it will see when reused."""
+    probe_ids, probe_spans = prompt_for(tokenizer, ["x"])
+    return probe_ids[:probe_spans[0][0]]
+
+
+def precompute_passages(engine: LLMEngine, passages: list[str], head: list[int], tag: str) -> None:
+    """File each passage in the chunk index, computed alone after `head` (POST /v1/cache/chunks)."""
+    for j, passage in enumerate(passages):
+        t = list(encode(engine.tokenizer, passage))
+        engine.add_request(f"pre{tag}-{j}", head + t, SamplingParams(max_tokens=1),
+                           CacheOptions(chunk_spans=[(len(head), len(t))], precompute_only=True, blend=False))
+    while engine.has_work():
+        engine.step()
+
+
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
     return float((lp.exp() * (lp - lq)).sum())
@@ -161,20 +178,15 @@ def main() -> None:
     results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0)
                for name, *_ in configs}
     cases = make_cases(args.cases, args.passages, args.seed, args.max_words)
-    # the template's framing before the first passage: a precomputed chunk can be computed after it, so it
-    # sees the same attention sink (the prompt's first tokens) it will see when reused
-    probe_ids, probe_spans = prompt_for(tok, ["x"])
-    lead = probe_ids[:probe_spans[0][0]]
+    lead = template_lead(tok)
     for i, case in enumerate(cases):
         if args.fill == "traffic":
             first_ids, first_spans = prompt_for(tok, case.passages)
             engine.add_request(f"pre{i}", first_ids, SamplingParams(max_tokens=1),
                                CacheOptions(chunk_spans=first_spans, blend=True, prefix_cache=False))
-        for j, passage in enumerate(case.passages if args.fill == "precompute" else []):
-            t = list(encode(tok, passage))  # precompute through the chunk index
-            head = lead if args.precompute_after_template else []
-            engine.add_request(f"pre{i}-{j}", head + t, SamplingParams(max_tokens=1),
-                               CacheOptions(chunk_spans=[(len(head), len(t))], precompute_only=True, blend=False))
+        # precompute through the chunk index
+        precompute_passages(engine, case.passages if args.fill == "precompute" else [],
+                            lead if args.precompute_after_template else [], str(i))
         while engine.has_work():
             engine.step()
         order = case.passages[:]

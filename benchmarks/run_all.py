@@ -41,6 +41,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_agents": ["--tasks", "2", "--steps", "3"],
     "bench_weights": ["--cases", "4", "--greedy-prompts", "2", "--greedy-tokens", "16", "--decode-tokens", "32",
                       "--prefill-tokens", "512", "--ttft-tokens", "2048"],
+    "bench_kv_dtype": ["--kl-prompts", "4", "--greedy-prompts", "2", "--greedy-tokens", "64", "--needle-cases", "5",
+                       "--ttft-tokens", "2048", "--repeats", "2"],
 }
 
 

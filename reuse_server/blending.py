@@ -155,9 +155,11 @@ class Blender:
         """Only the prompt's framing comes before the chunk at `start`: its KV there is its alone form."""
         return bool(seq.cache.chunk_spans) and seq.cache.chunk_spans[0][0] == start
 
-    def _move(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor) -> None:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor,
+              shift: KeyShift | None = None) -> None:
+        # re-RoPE and shift in one pass: an 8-bit pool then rounds the moved keys once
         self.kv.copy_slots(src, dst)
-        self.kv.rerope(dst, old_pos, new_pos, self.inv_freq)
+        self.kv.rerope(dst, old_pos, new_pos, self.inv_freq, shift)
 
     def _copy_in(self, seq: Sequence, reuses: list[Reuse]) -> None:
         for r in reuses:
@@ -165,10 +167,9 @@ class Blender:
             src = self._slots(r.hit.block_ids, range(r.skip, n))
             dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
             pos = torch.arange(r.skip, n)
-            self._move(src, dst, pos, pos + r.start)
             # a chunk cached alone needs the shift only where other text now precedes it
-            if self.key_shift is not None and r.hit.alone and not self._is_first_chunk(seq, r.start):
-                self.kv.shift_keys(self.key_shift, dst, pos + r.start, self.inv_freq)
+            shifted = self.key_shift is not None and r.hit.alone and not self._is_first_chunk(seq, r.start)
+            self._move(src, dst, pos, pos + r.start, self.key_shift if shifted else None)
 
     # ---- run -------------------------------------------------------------------------------
     def blending(self, seq: Sequence) -> bool:
@@ -226,6 +227,7 @@ class Blender:
             pos = torch.arange(n)
 
             def fill(blocks: list[int]) -> None:
+                self.kv.clear_blocks(blocks)  # fresh blocks: the padding after the chunk must hold nothing
                 self._move(src, self._slots(blocks, range(n)), pos + start, pos)
 
             if not self.index.store(tokens, fill, seq.namespace, alone):

@@ -40,13 +40,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
-                 copy_blocks: Callable[[list[int], list[int]], None] | None = None, tiers=None) -> None:
+                 copy_blocks: Callable[[list[int], list[int]], None] | None = None,
+                 clear_blocks: Callable[[list[int]], None] | None = None, tiers=None) -> None:
         """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
-        accounting alone). tiers: the KV tiers below the pool (tiers.KVTiers), if any."""
+        accounting alone); clear_blocks: the pool's reset of blocks a sequence newly takes (an fp8 pool's
+        block scales must not carry a previous owner's range); tiers: the KV tiers below the pool
+        (tiers.KVTiers), if any."""
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_blocks = copy_blocks
+        self.clear_blocks = clear_blocks
         self.tiers = tiers
 
     @staticmethod
@@ -185,6 +189,8 @@ class BlockManager:
             new = self.cache.allocate(need)
         except OutOfBlocks:
             return False
+        if self.clear_blocks is not None:
+            self.clear_blocks(new)
         kv.block_table.extend(new)
         kv.owned.update(new)
         return True

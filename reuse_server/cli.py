@@ -12,6 +12,7 @@ from reuse_server.openmp import apply_short_spin  # torch-free
 apply_short_spin()  # before torch is imported: see reuse_server/openmp.py
 
 from reuse_server.config import EngineConfig  # noqa: E402
+from reuse_server.kv_layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
@@ -156,14 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
-                       help="compute and KV cache dtype, and the weights' with --weight-dtype fp32 (auto: float32 on CPU, "
-                            "bfloat16 on CUDA)")
+                       help="compute dtype, and the weights' with --weight-dtype fp32 and the KV cache's with "
+                            "--kv-dtype auto (auto: float32 on CPU, bfloat16 on CUDA)")
     serve.add_argument("--weight-dtype", default=defaults.weight_dtype, choices=["auto", "fp32", "bf16", "int8", "int4"],
                        help="how the weight matrices are held, whatever --dtype computes in: fp32 (as --dtype), bf16, "
                             "int8 or int4 (scale and minimum per group of 32 inputs; the output head in int8); a "
                             "GGUF's Q4/Q8 blocks load as they are, other checkpoints are quantized at load. auto: "
                             "the narrowest whose measured quality against fp32 is within bounds, else the "
                             "narrowest that holds the checkpoint's weights exactly (logged at start)")
+    serve.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=KV_DTYPE_CHOICES,
+                       help="KV cache storage type, separate from the weights' (auto: the compute dtype). fp16 "
+                            "and bf16 halve the pool's bytes per token; fp8_e4m3 (an fp32 scale per block and KV "
+                            "head) and int8 (an fp32 scale per token and KV head) store about a quarter, so "
+                            "--kv-cache-memory holds that many more tokens; attention dequantizes as it reads")
     serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["native", "onednn", "torch"],
                        help="on the CPU, run linear layers on weights packed once at start: through the C++ kernel "
                             "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
@@ -208,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share blocks with other servers on the same model through Redis or Valkey, e.g. "
                             "redis://127.0.0.1:6379/0 (run it with --save '' --appendonly no --maxmemory ... "
                             "--maxmemory-policy allkeys-lru) (default: off)")
+    tiers.add_argument("--tier-kv-dtype", default=defaults.tier_kv_dtype, choices=KV_DTYPE_CHOICES,
+                       help="store the copies in host RAM, on disk and in Redis in this KV dtype, so each byte moved "
+                            "carries more tokens (e.g. bf16 or int8 under an fp32 pool; auto: the pool's own). A "
+                            "block read back is converted to the pool's dtype: it is what a --kv-dtype of this "
+                            "type would have held")
     tiers.add_argument("--redis-timeout", type=non_negative_float, default=defaults.redis_timeout, metavar="SECONDS",
                        help="a Redis call taking longer counts as a miss")
     blend = serve.add_argument_group(
@@ -277,8 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_kv_calc_parser(commands) -> None:
-    from reuse_server.kv_layout import KV_DTYPE_CHOICES  # torch-free, like everything kv-calc imports
-
     calc = commands.add_parser(
         "kv-calc", help="how much KV cache a model needs and what fits in memory (reads the config only)",
         formatter_class=_HelpFormatter,
@@ -304,7 +313,7 @@ def add_kv_calc_parser(commands) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        weight_dtype=args.weight_dtype,
+        weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
         cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -313,6 +322,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
         cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
         disk_write_policy=args.disk_write_policy, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+        tier_kv_dtype=args.tier_kv_dtype,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,

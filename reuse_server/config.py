@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reuse_server import kv_layout  # torch-free
+
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 CPU_MATMULS = ("native", "onednn", "torch")
@@ -31,6 +33,8 @@ class EngineConfig:
     # scales; the output head in at least int8), or auto: the narrowest within measured quality bounds
     # (model/weight_dtype.py)
     weight_dtype: str = "auto"
+    # the KV pool's storage (kv_layout.KV_DTYPES: fp32, fp16, bf16, fp8_e4m3, int8); auto: the weights' dtype
+    kv_dtype: str = "auto"
     # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
     # torch (F.linear)
     cpu_matmul: str = "native"
@@ -52,6 +56,7 @@ class EngineConfig:
     disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
     redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
     redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss
+    tier_kv_dtype: str = "auto"  # what host/disk/Redis copies are stored in (kv_layout.KV_DTYPES); auto: the pool's
     # non-prefix reuse (blending)
     enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
     blend_recompute_ratio: float = 0.15
@@ -72,6 +77,10 @@ class EngineConfig:
         problems = []
         if self.dtype != "auto" and self.dtype not in DTYPES:
             problems.append(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        try:
+            kv_layout.kv_dtype(self.kv_dtype)
+        except ValueError as exc:
+            problems.append(str(exc))
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
         if self.cpu_attention not in CPU_ATTENTIONS:

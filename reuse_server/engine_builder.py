@@ -19,6 +19,7 @@ from reuse_server.block_manager import BlockManager
 from reuse_server.blending import Blender, BlendSettings
 from reuse_server.config import EngineConfig, resolve_dtype
 from reuse_server.fingerprint import ModelFingerprint, fingerprint
+from reuse_server import kv_quant
 from reuse_server.key_shift_calibration import load_or_calibrate
 from reuse_server.kv_pool import KVPool
 from reuse_server.model.config import ModelConfig
@@ -71,7 +72,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     model, mc = load_model(path, dtype=dtype, device=config.device, weight_dtype=weight_dtype)
     tokenizer = load_tokenizer(path)
     bs = config.block_size
-    kv_dtype = dtype
+    kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
     identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo)
     model.pack_for_cpu(config.cpu_matmul)
     # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
@@ -85,11 +86,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
                                                                        mc.head_dim, kv_dtype)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
-    kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device)
+    kv = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device,
+                read_dtype=dtype)
     tiers = build_tiers(config, kv, identity)
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
                        policy=config.eviction_policy, listener=tiers)
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks, tiers)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, kv.copy_blocks, kv.clear_blocks, tiers)
     chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens,
                              pull=tiers.pull if tiers is not None else None)
     settings = BlendSettings(
@@ -110,8 +112,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
         kv=kv, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
         runner=ModelRunner(model, kv, config.device), sampler=Sampler(), tiers=tiers)
-    log.info("model fingerprint %s; KV pool %d blocks of %d tokens (%.0f MiB)", identity.short, num_blocks, bs,
-             kv.nbytes / 2**20)
+    log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
+             identity.short, num_blocks, bs, kv_quant.spec(kv.dtype).name, kv.bytes_per_token, kv.nbytes / 2**20)
     _return_freed_memory()
     return parts
 
@@ -120,13 +122,17 @@ def build_tiers(config: EngineConfig, kv: KVPool, identity: ModelFingerprint) ->
     """The tiers the config asks for below the pool (None: none)."""
     if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
         return None
-    ctx = BlobContext(fingerprint=identity.identity.hex(), block_size=kv.block_size, hash_algo=identity.hash_algo,
-                      layout=kv.layout.describe(), kv_bytes=kv.layout.nbytes)
+    tier_dtype = None if config.tier_kv_dtype == "auto" else kv_quant.storage_dtype(config.tier_kv_dtype)
+    layout = kv.layout_for(tier_dtype)
+    # A copy in another dtype than the pool's is another block: its files and keys live apart
+    name = identity.identity.hex() + ("" if tier_dtype is None else "-" + kv_quant.spec(tier_dtype).name)
+    ctx = BlobContext(fingerprint=name, block_size=kv.block_size, hash_algo=identity.hash_algo,
+                      layout=layout.describe(), kv_bytes=layout.nbytes)
     host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
     disk = DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx) if config.disk_cache_dir else None
     remote = RedisTier(config.redis_url, ctx, timeout=config.redis_timeout) if config.redis_url else None
     log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
-    return KVTiers(kv, host, disk, remote, config.disk_write_policy)
+    return KVTiers(kv, host, disk, remote, config.disk_write_policy, tier_dtype)
 
 
 def default_model_id(model: str | None) -> str:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pools import fill_pool
 from reuse_server.kv_pool import KVPool
 from reuse_server.model import cpu_attention, native
+from reuse_server.model.attention import AttentionMetadata, paged_attention
 from reuse_server.model.cpu_attention import KernelPlan
 
 TOL = 2e-5  # max |kernel - reference| / max |reference|, fp32 against float64
@@ -46,10 +47,15 @@ def reference(q, pool: KVPool, layer, seqs, scale, window):
     return torch.cat(out)
 
 
-def run_case(kernel, seqs, heads, kv_heads, head_dim, block_size, window=None, seed=0):
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8]
+
+
+def run_case(kernel, seqs, heads, kv_heads, head_dim, block_size, window=None, seed=0, dtype=torch.float32):
+    """The kernel against the float64 reference over the pool as stored (dequantized: the kernel's own
+    arithmetic must add nothing but fp32 rounding, whatever the storage dtype)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = sum(-(-ctx // block_size) for _, ctx, _ in seqs)
-    pool = KVPool(2, blocks_needed + 7, block_size, kv_heads, head_dim)
+    pool = KVPool(2, blocks_needed + 7, block_size, kv_heads, head_dim, dtype)
     fill_pool(pool, gen)
     free = torch.randperm(pool.num_blocks, generator=gen)
     tables, used = [], 0
@@ -122,6 +128,47 @@ def test_reads_queries_through_a_strided_view(kernel):
     assert torch.equal(strided, dense)
 
 
+@pytest.mark.parametrize("dtype", KV_DTYPES[1:], ids=str)
+def test_every_kv_dtype(kernel, dtype):
+    """fp16/bf16 widened, fp8 and int8 with their scales (per block / per token): a warm tail split over
+    tasks, a decode batch, a causal prefill, a sliding window, over every head width."""
+    for head_dim in (16, 32, 64, 128):
+        run_case(kernel, [(None, 1100, last(9, 1100))], 9, 3, head_dim, 16, dtype=dtype)
+    run_case(kernel, [(None, n, [n - 1]) for n in (1, 7, 300, 65)], 8, 2, 64, 4, dtype=dtype)
+    run_case(kernel, [(None, 200, list(range(200))), (None, 90, list(range(40, 90)))], 4, 4, 32, 16, window=50,
+             dtype=dtype)
+
+
+# max |attention over the pool - attention over the same K/V in fp32| / max |the latter|, for q, K, V drawn
+# from N(0, 1), 1,200 keys: the error the storage dtype costs (about twice what was measured).
+CLOSE_TO_FP32 = {torch.float16: 1e-3, torch.bfloat16: 6e-3, torch.float8_e4m3fn: 0.1, torch.int8: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", list(CLOSE_TO_FP32), ids=str)
+def test_attention_on_each_kv_dtype_is_close_to_fp32(kernel, dtype):
+    """The kernel and torch's path over a pool of each dtype, against the kernel over an fp32 pool holding
+    the same K/V (with a wrong scale, or none, the error is of the output's own size)."""
+    gen = torch.Generator().manual_seed(7)
+    print("seed 7")
+    blocks, bs, kv_heads, heads, hd, ctx = 80, 16, 2, 6, 64, 1200
+    k, v = torch.randn(blocks * bs, kv_heads, hd, generator=gen), torch.randn(blocks * bs, kv_heads, hd, generator=gen)
+    table = torch.randperm(blocks, generator=gen)[:ctx // bs + 1]
+    q = torch.randn(5, heads, hd, generator=gen)
+    positions = torch.arange(ctx - 5, ctx)
+    outs = {}
+    for pool_dtype in (torch.float32, dtype):
+        pool = KVPool(1, blocks, bs, kv_heads, hd, pool_dtype)
+        pool.write(0, torch.arange(blocks * bs), k, v)
+        plan = KernelPlan([0, 5], [table], [ctx], positions, bs, blocks)
+        meta = AttentionMetadata([0, 5], [table], [ctx], torch.zeros(5, dtype=torch.long))
+        torch_path = paged_attention(q, meta, meta.sequence_masks(positions, None, torch.float32), pool, 0, hd ** -0.5)
+        outs[pool_dtype] = (kernel(q, plan, pool, 0, hd ** -0.5, None), torch_path)
+    ref = outs[torch.float32][0]
+    for out in outs[dtype]:
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        assert 0 < err <= CLOSE_TO_FP32[dtype], err
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_batches(kernel, data):
@@ -135,7 +182,8 @@ def test_random_batches(kernel, data):
         ctx = data.draw(st.integers(1, 1300))
         positions = sorted(data.draw(st.sets(st.integers(0, ctx - 1), min_size=1, max_size=40)))
         seqs.append((None, ctx, positions))
-    run_case(kernel, seqs, heads, kv_heads, head_dim, block_size, window, seed=data.draw(st.integers(0, 99)))
+    run_case(kernel, seqs, heads, kv_heads, head_dim, block_size, window, seed=data.draw(st.integers(0, 99)),
+             dtype=data.draw(st.sampled_from(KV_DTYPES)))
 
 
 def test_plan_rejects_what_would_read_outside_the_pool():
@@ -150,9 +198,10 @@ def test_plan_rejects_what_would_read_outside_the_pool():
         KernelPlan([0, 3], [torch.tensor([0])], [4], positions, 4, 10)
 
 
-def test_takes_only_fp32_on_the_cpu(kernel):
+def test_takes_fp32_queries_on_the_cpu_over_every_kv_dtype(kernel):
     pool = KVPool(1, 4, 4, 2, 16)
     assert kernel.takes(torch.zeros(3, 4, 16), pool)
     assert not kernel.takes(torch.zeros(3, 4, 16, dtype=torch.bfloat16), pool)
-    assert not kernel.takes(torch.zeros(3, 4, 16), KVPool(1, 4, 4, 2, 16, dtype=torch.bfloat16))
+    for dtype in KV_DTYPES:
+        assert kernel.takes(torch.zeros(3, 4, 16), KVPool(1, 4, 4, 2, 16, dtype=dtype))
     assert not kernel.takes(torch.zeros(3, 4, 48), KVPool(1, 4, 4, 2, 48))  # head_dim 48: torch's path

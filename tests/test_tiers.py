@@ -348,3 +348,29 @@ def test_a_redis_that_answers_slowly_is_a_miss_not_a_wait(checkpoints, cold):
         again = run(reader, "answered", later)
         assert again[2].tier_tokens == {"redis": (len(later) - 1) // BS * BS}
         reader.close()
+
+
+@pytest.mark.parametrize("tier_dtype", ["bf16", "int8"])
+def test_tiers_can_keep_blocks_in_a_smaller_kv_dtype(checkpoints, cold, tmp_path, tier_dtype):
+    """--tier-kv-dtype: the disk holds each block in fewer bytes; read back, it is converted to the pool's
+    dtype (what a pool of that dtype would have held: close to the cold answer, not bit for bit), and files
+    of another tier dtype are neither read nor deleted."""
+    ids = prompt(17)
+    full = make(checkpoints[3], disk_cache_dir=str(tmp_path))
+    run(full, "fp32-copy", ids)
+    full.close()
+    writer = make(checkpoints[3], disk_cache_dir=str(tmp_path), tier_kv_dtype=tier_dtype)
+    run(writer, "small-copy", ids)
+    writer.close()
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == 2 and folders[1] == folders[0] + f"-{tier_dtype}"
+    sizes = {name: next((tmp_path / name).rglob("*.kv")).stat().st_size for name in folders}
+    assert sizes[folders[1]] < 0.6 * sizes[folders[0]]
+    reader = make(checkpoints[3], disk_cache_dir=str(tmp_path), tier_kv_dtype=tier_dtype)
+    got = run(reader, "again", ids)
+    full_blocks = (len(ids) - 1) // BS * BS
+    assert got[2].tier_tokens == {"disk": full_blocks}
+    assert got[1] == pytest.approx(cold(ids)[1], abs=0.05)
+    assert reader.snapshot()["tiers"]["disk"]["corrupt"] == 0
+    reader.close()
+    assert len(list((tmp_path / folders[0]).rglob("*.kv"))) == len(disk_files(tmp_path / folders[0]))

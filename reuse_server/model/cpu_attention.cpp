@@ -1,5 +1,9 @@
-// Paged attention on the CPU, fp32: query tokens at arbitrary positions against their sequence's KV blocks
-// in the pool, read in place through the block table (no gathered copy of K/V).
+// Paged attention on the CPU, fp32 arithmetic: query tokens at arbitrary positions against their sequence's
+// KV blocks in the pool, read in place through the block table (no gathered copy of K/V). The pool stores
+// K/V as fp32, fp16, bf16, fp8 e4m3 (a scale per block and KV head) or int8 (a scale per token and KV head);
+// the other formats are widened to fp32 as they are read: each chunk's K rows into a small fp32 tile that
+// the score tiles broadcast from, V rows in registers as the output accumulates. The fp32 pool is read as
+// before, with no conversion.
 //
 // Work unit: one sequence, one KV head, up to 64 query rows (the query heads sharing that KV head, folded:
 // row = token * group + head-in-group). Rows are the vector lanes: scores are computed transposed,
@@ -13,8 +17,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include "cpu_vector.h"
@@ -22,6 +28,76 @@
 namespace {
 
 using namespace kv;
+
+// ---- KV storage formats ---------------------------------------------------------------------------------
+// The element types as stored; widen() reads 16 consecutive elements as fp32 lanes, times Format::unit.
+struct Half { uint16_t bits; };
+struct BFloat { uint16_t bits; };
+struct Fp8 { uint8_t bits; };  // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits
+
+template <typename T> struct Format;
+// scaled: a fp32 scale per block (fp8) or per token (int8) and KV head multiplies every element
+template <> struct Format<float> { static constexpr bool scaled = false, per_token = false; static constexpr float unit = 1.f; };
+template <> struct Format<Half> { static constexpr bool scaled = false, per_token = false; static constexpr float unit = 1.f; };
+template <> struct Format<BFloat> { static constexpr bool scaled = false, per_token = false; static constexpr float unit = 1.f; };
+// fp8 is widened through fp16 (its bits shifted into an fp16's), which reads it at 1/256 of its value
+template <> struct Format<Fp8> { static constexpr bool scaled = true, per_token = false; static constexpr float unit = 256.f; };
+template <> struct Format<int8_t> { static constexpr bool scaled = true, per_token = true; static constexpr float unit = 1.f; };
+
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float magnitude;
+    if (exponent == 0) magnitude = std::ldexp((float)mantissa, -24);
+    else if (exponent == 31) magnitude = mantissa ? NAN : INFINITY;
+    else magnitude = std::ldexp((float)(mantissa | 0x400), (int)exponent - 25);
+    uint32_t bits;
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+    std::memcpy(&magnitude, &bits, 4);
+    return magnitude;
+}
+
+// e4m3 bits in place of an fp16's sign, exponent and top mantissa bits: the same number, 2^-8 of it
+inline uint16_t fp8_as_half(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
+
+inline v16 widen(const float* p) { return load(p); }
+
+inline v16 widen(const BFloat* p) {
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    u16x16 h;
+    std::memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, u32x16) << 16);  // bf16 is the top half of an fp32
+}
+
+#if defined(__AVX512F__)
+inline v16 widen(const Half* p) { return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline v16 widen(const int8_t* p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+inline v16 widen(const Fp8* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return (v16)_mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+#else
+inline v16 widen(const Half* p) {
+    alignas(64) float f[LANES];
+    for (int i = 0; i < LANES; ++i) f[i] = half_to_float(p[i].bits);
+    return load(f);
+}
+inline v16 widen(const int8_t* p) {
+    alignas(64) float f[LANES];
+    for (int i = 0; i < LANES; ++i) f[i] = (float)p[i];
+    return load(f);
+}
+inline v16 widen(const Fp8* p) {
+    alignas(64) float f[LANES];
+    for (int i = 0; i < LANES; ++i) f[i] = half_to_float(fp8_as_half(p[i].bits));
+    return load(f);
+}
+#endif
 
 constexpr int CHUNK = 64;              // keys per online-softmax step
 constexpr int MAX_ROWS = 64;           // query rows per unit (4 vectors)
@@ -58,14 +134,15 @@ inline void score_tile(const float* const* krow, const float* qt, int hd, float*
 // Pool rows of the next chunk, requested into L2 a few at a time while this chunk computes: the rows are
 // short pieces of scattered slots, which the hardware prefetcher does not follow (17 queries over 4,097 keys
 // read from memory: 44.3 -> 40.6 ms for 30 layers; into L1, or all at once at the chunk's start, no gain).
-inline void prefetch_rows(const float* const* rows, int from, int to, int n, int hd) {
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int from, int to, int n, int hd) {
     for (int k = from; k < std::min(to, n); ++k)
-        for (int b = 0; b < hd; b += 16) __builtin_prefetch(rows[k] + b, 0, 1);
+        for (int b = 0; b < hd * (int)sizeof(T); b += 64) __builtin_prefetch((const char*)rows[k] + b, 0, 1);
 }
 
-template <int RV>
+template <int RV, typename T>
 void score_chunk(const float* const* krow, int keys, const float* qt, int hd, float* st,
-                 const float* const* knext, const float* const* vnext, int nnext) {
+                 const T* const* knext, const T* const* vnext, int nnext) {
     constexpr int KT = RV >= 3 ? 6 : (RV == 2 ? 8 : 12);  // accumulators: KT * RV <= 24 of 32 registers
     int k = 0;
     for (; k + KT <= keys; k += KT) {
@@ -76,9 +153,10 @@ void score_chunk(const float* const* krow, int keys, const float* qt, int hd, fl
     for (; k < keys; ++k) score_tile<RV, 1>(krow + k, qt, hd, st + k * MAX_ROWS);
 }
 
-// o[row][:] += sum_k p[k * MAX_ROWS + row] * vrow[k][:], for rows 0..rows-1 (rounded up to the tile).
-template <int HV>
-void value_chunk(const float* const* vrow, int keys, const float* p, int rows, float* o, int hd) {
+// o[row][:] += sum_k p[k * MAX_ROWS + row] * vrow[k][:], for rows 0..rows-1 (rounded up to the tile);
+// vscale[k]: row k's scale (scaled formats).
+template <int HV, typename T>
+void value_chunk(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd) {
     constexpr int RT = 24 / HV;
     for (int i0 = 0; i0 < rows; i0 += RT) {
         v16 acc[RT][HV];
@@ -86,7 +164,9 @@ void value_chunk(const float* const* vrow, int keys, const float* p, int rows, f
             for (int h = 0; h < HV; ++h) acc[i][h] = load(o + (i0 + i) * hd + h * LANES);
         for (int k = 0; k < keys; ++k) {
             v16 vv[HV];
-            for (int h = 0; h < HV; ++h) vv[h] = load(vrow[k] + h * LANES);
+            for (int h = 0; h < HV; ++h) vv[h] = widen(vrow[k] + h * LANES);
+            if constexpr (Format<T>::scaled)
+                for (int h = 0; h < HV; ++h) vv[h] *= splat(vscale[k]);
             const float* pk = p + k * MAX_ROWS + i0;
             for (int i = 0; i < RT; ++i) {
                 const v16 pb = splat(pk[i]);
@@ -102,8 +182,10 @@ struct Problem {
     const float* q;
     int64_t q_token_stride;
     float* out;
-    const float* k_pool;
-    const float* v_pool;
+    const void* k_pool;
+    const void* v_pool;
+    const float* k_scales;  // scaled formats: [blocks][kv_heads] (fp8) or [slots][kv_heads] (int8)
+    const float* v_scales;
     const int64_t* seq_info;  // per sequence: first query token, end query token, context length, table offset
     const int64_t* block_tables;
     const int64_t* positions;
@@ -113,15 +195,25 @@ struct Problem {
 
 // One task: a unit's rows against keys [key_begin, key_end). Leaves the unnormalized output rows in o
 // ([PAD_ROWS][hd]) and each row's running max and exp-sum in m and l.
+template <typename T>
 void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_end, float* o, float* m, float* l) {
+    constexpr bool plain = std::is_same_v<T, float>;
     alignas(64) float qt[MAX_HEAD_DIM * MAX_ROWS];
     alignas(64) float st[CHUNK * MAX_ROWS + 32];  // + the PV tiles' overrun past the last row
     alignas(64) float hi[MAX_ROWS], lo[MAX_ROWS], alpha[MAX_ROWS];
-    const float* rows[4][CHUNK];  // this chunk's K and V rows in the pool, and the next chunk's
-    const float** krow = rows[0];
-    const float** vrow = rows[1];
-    const float** knext = rows[2];
-    const float** vnext = rows[3];
+    const T* rows[4][CHUNK];  // this chunk's K and V rows in the pool, and the next chunk's
+    const T** krow = rows[0];
+    const T** vrow = rows[1];
+    const T** knext = rows[2];
+    const T** vnext = rows[3];
+    // other formats: this chunk's K rows widened to fp32 (ktile, read through kf), and each row's scales
+    alignas(64) float ktile[plain ? 1 : CHUNK * MAX_HEAD_DIM];
+    const float* kf[CHUNK];
+    alignas(64) float scales[4][Format<T>::scaled ? CHUNK : 1];
+    float* kscale = scales[0];
+    float* vscale = scales[1];
+    float* kscale_next = scales[2];
+    float* vscale_next = scales[3];
     const int hd = (int)pb.hd;
     const int64_t group = pb.heads / pb.kv_heads;
     const int64_t* info = pb.seq_info + 4 * u.seq;
@@ -146,27 +238,52 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     for (int r = 0; r < MAX_ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
     const int64_t kv_stride = pb.kv_heads * pb.hd;
 
-    auto fill = [&](int64_t j0, const float** kr, const float** vr) {
+    const T* k_pool = (const T*)pb.k_pool;
+    const T* v_pool = (const T*)pb.v_pool;
+    auto fill = [&](int64_t j0, const T** kr, const T** vr, float* ks, float* vs) {
         const int keys = (int)std::max<int64_t>(0, std::min<int64_t>(CHUNK, key_end - j0));
         for (int j = 0; j < keys; ++j) {
             const int64_t key = j0 + j;
-            const int64_t slot = table[key / pb.block_size] * pb.block_size + key % pb.block_size;
-            kr[j] = pb.k_pool + slot * kv_stride + u.head * pb.hd;
-            vr[j] = pb.v_pool + slot * kv_stride + u.head * pb.hd;
+            const int64_t block = table[key / pb.block_size];
+            const int64_t slot = block * pb.block_size + key % pb.block_size;
+            kr[j] = k_pool + slot * kv_stride + u.head * pb.hd;
+            vr[j] = v_pool + slot * kv_stride + u.head * pb.hd;
+            if constexpr (Format<T>::scaled) {
+                const int64_t at = (Format<T>::per_token ? slot : block) * pb.kv_heads + u.head;
+                ks[j] = pb.k_scales[at] * Format<T>::unit;
+                vs[j] = pb.v_scales[at] * Format<T>::unit;
+            }
         }
         return keys;
     };
-    int next_keys = fill(key_begin, knext, vnext);
+    int next_keys = fill(key_begin, knext, vnext, kscale_next, vscale_next);
     for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
         std::swap(krow, knext);
         std::swap(vrow, vnext);
+        std::swap(kscale, kscale_next);
+        std::swap(vscale, vscale_next);
         const int keys = next_keys;
-        next_keys = fill(j0 + CHUNK, knext, vnext);
+        next_keys = fill(j0 + CHUNK, knext, vnext, kscale_next, vscale_next);
+        const float* const* kq;  // the chunk's K rows in fp32
+        if constexpr (plain) {
+            kq = krow;
+        } else {
+            for (int j = 0; j < keys; ++j) {
+                float* dst = ktile + j * hd;
+                for (int d = 0; d < hd; d += LANES) {
+                    v16 x = widen(krow[j] + d);
+                    if constexpr (Format<T>::scaled) x *= splat(kscale[j]);
+                    store(dst + d, x);
+                }
+                kf[j] = dst;
+            }
+            kq = kf;
+        }
         switch (rv) {
-            case 1: score_chunk<1>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
-            case 2: score_chunk<2>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
-            case 3: score_chunk<3>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
-            default: score_chunk<4>(krow, keys, qt, hd, st, knext, vnext, next_keys); break;
+            case 1: score_chunk<1>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+            case 2: score_chunk<2>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+            case 3: score_chunk<3>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+            default: score_chunk<4>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
         }
         const bool masked = (float)(j0 + keys - 1) > min_hi || (float)j0 < max_lo;
         for (int v = 0; v < rv; ++v) {
@@ -208,10 +325,10 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
             }
         }
         switch (hd / LANES) {
-            case 1: value_chunk<1>(vrow, keys, st, (int)u.rows, o, hd); break;
-            case 2: value_chunk<2>(vrow, keys, st, (int)u.rows, o, hd); break;
-            case 4: value_chunk<4>(vrow, keys, st, (int)u.rows, o, hd); break;
-            default: value_chunk<8>(vrow, keys, st, (int)u.rows, o, hd); break;
+            case 1: value_chunk<1>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+            case 2: value_chunk<2>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+            case 4: value_chunk<4>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+            default: value_chunk<8>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
         }
     }
 }
@@ -222,20 +339,16 @@ float* out_row(const Problem& pb, const Unit& u, int64_t r) {
     return pb.out + (token * pb.heads + u.head * group + row % group) * pb.hd;
 }
 
-}  // namespace
-
-// Returns 0, or -1 for a shape this kernel does not take (the caller then uses another path).
-extern "C" int kv_paged_attention_f32(
-    const float* q, int64_t q_token_stride, float* out, const float* k_pool, const float* v_pool,
-    int64_t num_seqs, const int64_t* seq_info, const int64_t* block_tables, const int64_t* positions,
-    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
-    int64_t num_threads) {
+template <typename T>
+int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
+    const int64_t heads = pb.heads, kv_heads = pb.kv_heads, head_dim = pb.hd, window = pb.window;
+    const int64_t* seq_info = pb.seq_info;
+    const int64_t* positions = pb.positions;
     const int64_t hv = head_dim / LANES;
     if (head_dim % LANES || !(hv == 1 || hv == 2 || hv == 4 || hv == 8) || kv_heads < 1 || heads % kv_heads ||
-        block_size < 1 || num_threads < 1)
+        pb.block_size < 1 || num_threads < 1)
         return -1;
-    const Problem pb{q, q_token_stride, out, k_pool, v_pool, seq_info, block_tables, positions,
-                     heads, kv_heads, head_dim, block_size, window, scale};
+    if (Format<T>::scaled && (pb.k_scales == nullptr || pb.v_scales == nullptr)) return -1;
     const int64_t group = heads / kv_heads;
 
     std::vector<Unit> units;
@@ -291,7 +404,7 @@ extern "C" int kv_paged_attention_f32(
             float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
             float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
             float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
-            run_task(pb, u, task.key_begin, task.key_end, o, m, l);
+            run_task<T>(pb, u, task.key_begin, task.key_end, o, m, l);
             if (slot >= 0) continue;
             for (int64_t r = 0; r < u.rows; ++r) {
                 float* dst = out_row(pb, u, r);
@@ -325,4 +438,38 @@ extern "C" int kv_paged_attention_f32(
         }
     }
     return 0;
+}
+
+}  // namespace
+
+// Returns 0, or -1 for a shape this kernel does not take (the caller then uses another path).
+extern "C" int kv_paged_attention_f32(
+    const float* q, int64_t q_token_stride, float* out, const float* k_pool, const float* v_pool,
+    int64_t num_seqs, const int64_t* seq_info, const int64_t* block_tables, const int64_t* positions,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    int64_t num_threads) {
+    const Problem pb{q, q_token_stride, out, k_pool, v_pool, nullptr, nullptr, seq_info, block_tables, positions,
+                     heads, kv_heads, head_dim, block_size, window, scale};
+    return attend<float>(pb, num_seqs, num_threads);
+}
+
+// The same over a pool stored in another format: 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3 (k_scales, v_scales:
+// [blocks][kv_heads]), 4 int8 ([slots][kv_heads]); value = stored * scale. -1: a format or shape it does not
+// take.
+extern "C" int kv_paged_attention(
+    const float* q, int64_t q_token_stride, float* out, const void* k_pool, const void* v_pool,
+    const float* k_scales, const float* v_scales, int64_t format,
+    int64_t num_seqs, const int64_t* seq_info, const int64_t* block_tables, const int64_t* positions,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    int64_t num_threads) {
+    const Problem pb{q, q_token_stride, out, k_pool, v_pool, k_scales, v_scales, seq_info, block_tables,
+                     positions, heads, kv_heads, head_dim, block_size, window, scale};
+    switch (format) {
+        case 0: return attend<float>(pb, num_seqs, num_threads);
+        case 1: return attend<Half>(pb, num_seqs, num_threads);
+        case 2: return attend<BFloat>(pb, num_seqs, num_threads);
+        case 3: return attend<Fp8>(pb, num_seqs, num_threads);
+        case 4: return attend<int8_t>(pb, num_seqs, num_threads);
+        default: return -1;
+    }
 }

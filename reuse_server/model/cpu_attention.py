@@ -1,4 +1,5 @@
-"""The CPU's fp32 paged attention kernel (cpu_attention.cpp, built by native.py): its plan and its call.
+"""The CPU's paged attention kernel (cpu_attention.cpp, built by native.py): its plan and its call. fp32
+arithmetic over a pool stored in any of the KV dtypes (the 8-bit ones with their scales), read in place.
 
 torch's CPU attention needs K/V as dense tensors, so a paged pool costs a gather per layer (or a view where a
 sequence's blocks happen to be consecutive), and its flash kernel spends its time in small MKL products that
@@ -24,15 +25,22 @@ def load() -> "CpuAttentionKernel | None":
     return None if library is None else CpuAttentionKernel(library)
 
 
+# The kernel's codes for the pool's storage dtypes (cpu_attention.cpp, kv_paged_attention).
+FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.int8: 4}
+
+
 class CpuAttentionKernel:
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.kv_paged_attention_f32
+        self._any = lib.kv_paged_attention
 
     @staticmethod
     def takes(q: torch.Tensor, kv) -> bool:
-        """Whether this call's tensors suit the kernel: fp32 on the CPU, head_dim 16, 32, 64 or 128."""
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype == torch.float32
-                and kv.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1 and q.stride(-2) == kv.head_dim)
+        """Whether this call's tensors suit the kernel: fp32 queries on the CPU, a pool stored in fp32, fp16,
+        bf16, fp8 e4m3 or int8, head_dim 16, 32, 64 or 128."""
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype in FORMATS
+                and kv.device.type == "cpu" and kv.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1
+                and q.stride(-2) == kv.head_dim)
 
     def __call__(self, q: torch.Tensor, plan: "KernelPlan", kv, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:
@@ -41,10 +49,16 @@ class CpuAttentionKernel:
         t, heads, hd = q.shape
         out = torch.empty((t, heads, hd), dtype=q.dtype)
         k, v = kv.layer_blocks(layer)
-        status = self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(),
-                          plan.num_sequences, plan.seq_info.data_ptr(), plan.block_tables.data_ptr(),
-                          plan.positions.data_ptr(), heads, kv.num_kv_heads, hd, kv.block_size,
-                          window or 0, scale, torch.get_num_threads())
+        shape = (plan.num_sequences, plan.seq_info.data_ptr(), plan.block_tables.data_ptr(),
+                 plan.positions.data_ptr(), heads, kv.num_kv_heads, hd, kv.block_size, window or 0, scale,
+                 torch.get_num_threads())
+        if kv.dtype == torch.float32:
+            status = self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(), *shape)
+        else:
+            ks, vs = kv.layer_scales(layer)
+            status = self._any(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               0 if ks is None else ks.data_ptr(), 0 if vs is None else vs.data_ptr(),
+                               FORMATS[kv.dtype], *shape)
         if status != 0:
             raise ValueError(f"the CPU attention kernel does not take heads={heads} kv_heads={kv.num_kv_heads} "
                              f"head_dim={hd} block_size={kv.block_size}")

@@ -25,7 +25,7 @@ from .gguf_convert import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp", "cpu_kv_store.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"
@@ -34,6 +34,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # The kernels' C signatures (argument types, result type), declared once for every caller.
 SIGNATURES = {
     "kv_paged_attention_f32": ([_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
+    "kv_paged_attention": ([_P, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
+    "kv_store_fp8": ([_P, _P, _I, _I, _I, _I, _I, _I, _P, _I, _P, _I], None),
+    "kv_store_int8": ([_P, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I], None),
     "kv_linear_f32": ([_P, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "kv_rms_norm_f32": ([_P, _I, _I, _I, _P, _F, _P, _I], None),
     "kv_silu_mul_f32": ([_P, _I, _I, _P, _I], None),

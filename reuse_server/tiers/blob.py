@@ -44,11 +44,18 @@ class BlockEntry:
 class BlobContext:
     """What every blob of this server must agree with."""
 
-    fingerprint: str  # hex of the model fingerprint's identity
+    fingerprint: str  # hex of the model fingerprint's identity (and "-<dtype>" for blocks stored in another dtype)
     block_size: int
     hash_algo: str
     layout: dict  # KVPool.layout.describe()
     kv_bytes: int  # the payload's length
+
+    @property
+    def name(self) -> str:
+        """A short name for this context's blocks (a folder, a key prefix): the fingerprint's first 16 hex
+        digits, and the dtype blocks are stored in where it is not the pool's own."""
+        digest, _, dtype = self.fingerprint.partition("-")
+        return digest[:16] + (f"-{dtype}" if dtype else "")
 
 
 def encode(entry: BlockEntry, ctx: BlobContext) -> bytes:

@@ -34,7 +34,7 @@ class DiskTier:
         self.ctx = ctx
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
-        self.dir = Path(root) / ctx.fingerprint[:16]
+        self.dir = Path(root) / ctx.name
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
         self._lock = threading.Lock()  # the index is shared by the engine thread and the writer

@@ -41,13 +41,18 @@ class Found(NamedTuple):
 
 
 class KVTiers:
-    def __init__(self, pool: KVPool, host=None, disk=None, remote=None, write_policy: str = "through"):
+    def __init__(self, pool: KVPool, host=None, disk=None, remote=None, write_policy: str = "through",
+                 dtype: torch.dtype | None = None):
+        """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
+        and back."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"unknown write policy {write_policy!r}; choose {', '.join(WRITE_POLICIES)}")
         self.pool = pool
         self.host, self.disk, self.remote = host, disk, remote
         self.levels = [t for t in (host, disk, remote) if t is not None]
         self.write_policy = write_policy
+        self.dtype = dtype
+        self.layout = pool.layout_for(dtype)
         self.costs = FetchCosts(pool.block_size)
         if host is not None and disk is not None and write_policy == "back":
             host.on_evict = disk.put  # what leaves RAM goes to disk
@@ -69,7 +74,7 @@ class KVTiers:
         records = [r for r in records if any(t.contains(r.hash) is not True for t in targets)]
         if not records:
             return
-        kv = self.pool.export_blocks([r.block_id for r in records])
+        kv = self.pool.export_blocks([r.block_id for r in records], self.dtype)
         entries = [BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i]) for i, r in enumerate(records)]
         for tier in targets:
             tier.put(entries)
@@ -144,7 +149,7 @@ class KVTiers:
         if not blocks:
             return
         start = time.perf_counter()
-        self.pool.import_blocks(blocks, torch.stack([f.entry.kv for f in found]))
+        self.pool.import_blocks(blocks, torch.stack([f.entry.kv for f in found]), self.layout)
         seconds = time.perf_counter() - start
         for tier in self.levels:
             share = sum(f.tier == tier.name for f in found) / len(found)

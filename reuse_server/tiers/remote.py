@@ -1,5 +1,5 @@
 """L3: blocks in Redis (or Valkey), shared by every server on the same model: what one computed, the others
-reuse. One key per block, `kvreuse:<fingerprint prefix>:<block hash>`, its value a self-describing blob
+reuse. One key per block, `kvreuse:<fingerprint prefix>[-<tier dtype>]:<block hash>`, its value a self-describing blob
 (tiers/blob.py), so a value from another model or a damaged one is never served.
 
 Writes are batched into pipelines by a background writer; reads of a prompt's blocks are one MGET. The
@@ -36,7 +36,7 @@ class RedisTier:
         self.ctx = ctx
         self.url = url
         self.stats = TierStats()
-        self.prefix = f"kvreuse:{ctx.fingerprint[:32]}:".encode()
+        self.prefix = f"kvreuse:{ctx.name}:".encode()
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
