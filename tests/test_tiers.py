@@ -365,7 +365,9 @@ def test_tiers_can_keep_blocks_in_a_smaller_kv_dtype(checkpoints, cold, tmp_path
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert len(folders) == 2 and folders[1] == folders[0] + f"-{tier_dtype}"
     sizes = {name: next((tmp_path / name).rglob("*.kv")).stat().st_size for name in folders}
-    assert sizes[folders[1]] < 0.6 * sizes[folders[0]]
+    assert writer.tiers.layout.nbytes <= 0.6 * writer.kv.layout.nbytes  # the payload, scales included
+    # the files differ by the payloads, give or take their headers (a scales section is described too)
+    assert sizes[folders[0]] - sizes[folders[1]] >= writer.kv.layout.nbytes - writer.tiers.layout.nbytes - 200
     reader = make(checkpoints[3], disk_cache_dir=str(tmp_path), tier_kv_dtype=tier_dtype)
     got = run(reader, "again", ids)
     full_blocks = (len(ids) - 1) // BS * BS
