@@ -260,7 +260,7 @@ def reference_kernel(rev: str) -> cpu_attention.CpuAttentionKernel:
 
 
 def kernel_ab(engine: LLMEngine, rev: str, source: TextSource, tokens: int, repeats: int) -> dict:
-    ours = engine.model.layers[0].self_attn.kernel
+    ours = engine.model.backend.attention
     theirs = reference_kernel(rev)
     tok = engine.tokenizer
     messages = conversation(tok, source, tokens, "In one sentence, what is the main event described above?")
@@ -268,12 +268,10 @@ def kernel_ab(engine: LLMEngine, rev: str, source: TextSource, tokens: int, repe
     times = {"ref": [], "ours": []}
     for r in range(repeats):
         for name, kernel in (("ref", theirs), ("ours", ours)):
-            for layer in engine.model.layers:
-                layer.self_attn.__dict__["kernel"] = kernel
+            engine.model.backend.attention = kernel
             question = f"Question {r + 1} {name}: name one place mentioned in the text above."
             times[name].append(engine_ttft(engine, f"ab-{name}-{r}", chat_ids(tok, with_last_line(messages, question))))
-    for layer in engine.model.layers:
-        layer.self_attn.__dict__["kernel"] = ours
+    engine.model.backend.attention = ours
     ref, new = statistics.median(times["ref"]), statistics.median(times["ours"])
     return dict(bench="kernel_ab_fp32_warm_ttft", ref_rev=rev, tokens=tokens, repeats=repeats,
                 ref_ms=round(ref * 1e3, 2), ours_ms=round(new * 1e3, 2), ours_over_ref=round(new / ref, 3))

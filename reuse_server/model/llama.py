@@ -12,18 +12,20 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 from . import cpu_attention, cpu_ops, quant_linear
+from .cpu_backend import CpuBackend
 from .cpu_linear import NativeLinear, pack_linear_layers, packer
 from .rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, backend: CpuBackend | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.backend = backend or CpuBackend()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.__dict__.get("native_ops")  # set by LlamaModel.pack_for_cpu("native")
+        ops = self.backend.ops
         if ops is not None and ops.takes(x) and self.weight.dtype == torch.float32:
             return ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op instead of six; the same arithmetic
@@ -35,8 +37,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None):
         super().__init__()
+        self.backend = backend or CpuBackend()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -48,7 +51,6 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.qkv_proj = None  # q/k/v in one packed product once pack_qkv_for_cpu ran (q_proj... are then None)
-        self.__dict__["kernel"] = None  # the CPU attention kernel, once LlamaModel.use_cpu_attention_kernel ran
 
     def pack_qkv_for_cpu(self, kind: str = "native") -> int:
         """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one call instead
@@ -87,10 +89,11 @@ class Attention(nn.Module):
         if rows is not None:
             q, positions, meta = q[rows], positions[rows], meta.subset(rows)
         t = q.shape[0]
-        if self.kernel is not None and self.kernel.takes(q, kv):
+        kernel = self.backend.attention
+        if kernel is not None and kernel.takes(q, kv):
             plan = meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
                 meta.query_start, meta.block_tables, meta.context_lens, positions, kv.block_size, kv.num_blocks))
-            out = self.kernel(q, plan, kv, layer_idx, self.scale, self.sliding_window)
+            out = kernel(q, plan, kv, layer_idx, self.scale, self.sliding_window)
         else:
             masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
             out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
@@ -104,41 +107,42 @@ def _rotate(x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None):
         super().__init__()
+        self.backend = backend or CpuBackend()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up_proj = None  # gate and up as one native product once pack_gate_up ran (gate/up_proj then None)
-        self.__dict__["native_ops"] = None
+        self.gate_up_proj = None  # gate and up as one native product once packed (gate/up_proj then None)
 
-    def pack_gate_up(self, ops) -> int:
+    def pack_gate_up(self) -> int:
         """Gate and up projections as one native product of their stacked weights, gated by one native pass
         (the native kernel's panels make the stacked product cost what the two did; oneDNN's stacked product ran
         a cold prefill's rows 15% slower, so it keeps two). Returns how many linear layers it replaced."""
         if not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
             return 0
-        if ops is None or packer(self.gate_proj.weight, "native") is not NativeLinear:
+        if self.backend.ops is None or packer(self.gate_proj.weight, "native") is not NativeLinear:
             return 0
         self.gate_up_proj = NativeLinear.stacked([self.gate_proj, self.up_proj])
         self.gate_proj = self.up_proj = None
-        self.__dict__["native_ops"] = ops
         return 2
 
     def forward(self, x):
-        if self.gate_up_proj is not None:  # a NativeLinear: its output is what silu_mul takes
-            return self.down_proj(self.native_ops.silu_mul(self.gate_up_proj(x)))
+        if self.gate_up_proj is not None:  # a native product: its output is what silu_mul takes
+            return self.down_proj(self.backend.ops.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 backend: CpuBackend | None = None):
         super().__init__()
+        backend = backend or CpuBackend()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         # Shared, not owned: a plain attribute keeps it out of this layer's state dict.
         self.__dict__["rotary"] = rotary
 
@@ -186,9 +190,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config)
+        self.backend = CpuBackend()  # shared by every module; written here only (pack_for_cpu, use_cpu_attention_kernel)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, self.backend)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.backend)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -206,14 +212,11 @@ class LlamaModel(nn.Module):
             return 0
         packed = sum(layer.self_attn.pack_qkv_for_cpu(kind) for layer in self.layers)
         if kind == "native" and head is NativeLinear:  # fp32 with the kernels built: norms and gating too
-            ops = cpu_ops.load()
-            packed += sum(layer.mlp.pack_gate_up(ops) for layer in self.layers)
-            for norm in [self.norm] + [n for layer in self.layers
-                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
-                norm.__dict__["native_ops"] = ops
+            self.backend.ops = cpu_ops.load()
+            packed += sum(layer.mlp.pack_gate_up() for layer in self.layers)
         packed += pack_linear_layers(self, kind)  # an untied lm_head is an nn.Linear: packed here
         if self.lm_head is None and self.packed_head is None:
-            self.__dict__["packed_head"] = head(self.embed_tokens.weight)
+            self.use_packed_head(head(self.embed_tokens.weight))
             packed += 1
         if packed:
             # Weights loaded from safetensors are views of the file's memory map; while any of them is
@@ -223,14 +226,17 @@ class LlamaModel(nn.Module):
                     param.data = param.data.clone()
         return packed
 
+    def use_packed_head(self, head: nn.Module) -> None:
+        """The output head of a tied-embedding model as its own packed product (the embedding table stays
+        for lookups). A plain attribute: not a submodule, not in the state dict."""
+        self.__dict__["packed_head"] = head
+
     def use_cpu_attention_kernel(self, enable: bool = True) -> bool:
         """Attend through the CPU kernel (cpu_attention) wherever it takes the tensors (fp32 on the CPU), or,
         with enable=False, through torch. Returns whether the kernel is in use; False where it cannot be
         built (`native.failure()` says why)."""
-        kernel = cpu_attention.load() if enable else None
-        for layer in self.layers:
-            layer.self_attn.__dict__["kernel"] = kernel
-        return kernel is not None
+        self.backend.attention = cpu_attention.load() if enable else None
+        return self.backend.attention is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -9,6 +9,7 @@ keeps torch's and oneDNN's paths (`failure()` says why)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -16,8 +17,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .gguf_convert import default_cache_dir
@@ -43,9 +44,6 @@ SIGNATURES = {
     "kv_quant_linear_f32": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I], ctypes.c_int),
 }
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 
 
 def _cpu_signature() -> str:
@@ -90,30 +88,40 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+@dataclass(frozen=True)
+class NativeLibrary:
+    """The kernels' shared library as built for this host, or why it could not be."""
+
+    library: ctypes.CDLL | None
+    failure: str | None
+
+
+@functools.cache
+def library() -> NativeLibrary:
+    """Built (or found built) and loaded once per process: every model and engine in it shares the result."""
+    try:
+        compiler = shutil.which(os.environ.get("CXX", "g++"))
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+        path = _library_path(compiler)
+        if not path.exists():
+            log.info("building the CPU kernels with %s (once)", compiler)
+            _build(compiler, path)
+        loaded = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in SIGNATURES.items():
+            fn = getattr(loaded, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        return NativeLibrary(loaded, None)
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep torch's and oneDNN's paths
+        failure = f"{type(exc).__name__}: {exc}"
+        log.warning("C++ CPU kernels unavailable, using torch's and oneDNN's paths: %s", failure)
+        return NativeLibrary(None, failure)
+
+
 def load() -> ctypes.CDLL | None:
-    """The kernels' library, built on first use; None (and the reason in `failure()`) where it cannot be."""
-    global _library, _failure
-    with _lock:
-        if _library is not None or _failure is not None:
-            return _library
-        try:
-            compiler = shutil.which(os.environ.get("CXX", "g++"))
-            if compiler is None:
-                raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
-            path = _library_path(compiler)
-            if not path.exists():
-                log.info("building the CPU kernels with %s (once)", compiler)
-                _build(compiler, path)
-            library = ctypes.CDLL(str(path))
-            for name, (argtypes, restype) in SIGNATURES.items():
-                fn = getattr(library, name)
-                fn.argtypes, fn.restype = argtypes, restype
-            _library = library
-        except Exception as exc:  # noqa: BLE001 - any failure means: keep torch's and oneDNN's paths
-            _failure = f"{type(exc).__name__}: {exc}"
-            log.warning("C++ CPU kernels unavailable, using torch's and oneDNN's paths: %s", _failure)
-        return _library
+    """The kernels' library; None (and the reason in `failure()`) where it cannot be built."""
+    return library().library
 
 
 def failure() -> str | None:
-    return _failure
+    return library().failure

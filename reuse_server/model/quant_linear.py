@@ -299,6 +299,7 @@ def pack_quantized(model: nn.Module, matmul: str = "native") -> int:
     make = _maker(device, dtype, kinds, model.layers[0], matmul == "native")
     packed = 0
     ops = cpu_ops.load() if device.type == "cpu" and dtype == torch.float32 else None
+    model.backend.ops = ops  # norms and the gating of stacked gate/up products run natively
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -309,22 +310,18 @@ def pack_quantized(model: nn.Module, matmul: str = "native") -> int:
         if ops is not None and isinstance(mlp.gate_proj, QuantizedLinear) and isinstance(mlp.up_proj, QuantizedLinear):
             mlp.gate_up_proj = make([mlp.gate_proj.qweight, mlp.up_proj.qweight], [None, None])
             mlp.gate_proj = mlp.up_proj = None
-            mlp.__dict__["native_ops"] = ops  # MLP.forward gates the stacked product natively
             packed += 2
         for parent, name in ((attn, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj")):
             child = getattr(parent, name)
             if isinstance(child, QuantizedLinear):
                 setattr(parent, name, make([child.qweight], [child.bias]))
                 packed += 1
-    if ops is not None:
-        for norm in [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
-            norm.__dict__["native_ops"] = ops
     if isinstance(model.lm_head, QuantizedLinear):
         model.lm_head = make([model.lm_head.qweight], [model.lm_head.bias])
         packed += 1
     elif model.lm_head is None and isinstance(embed, QuantizedEmbedding):
         head = make([embed.qweight], [None])
-        model.__dict__["packed_head"] = head
+        model.use_packed_head(head)
         if isinstance(head, NativeQuantLinear):
             embed.read_from(head)
         packed += 1
