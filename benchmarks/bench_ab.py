@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
             if r % 2:
                 order.reverse()  # neither side always runs first
             for code, checkout in order:
-                for row in run(checkout, bench, []):
+                # the code before the change held weights in fp32 only: compare like with like
+                extra = ["--weight-dtype", "fp32"] if code == "after" else []
+                for row in run(checkout, bench, extra):
                     print(json.dumps({**row, "code": code, "round": r}), flush=True)
 
 

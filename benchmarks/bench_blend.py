@@ -156,12 +156,13 @@ def main() -> None:
                     help="blended requests also use the exact prefix cache, as served (the template opening, and "
                          "the passage precomputed right after it that comes first, are then exact hits); full "
                          "prefill never does. --no-prefix-cache measures blending alone")
+    ap.add_argument("--weight-dtype", default="auto", help="how the engine holds its weights (--weight-dtype)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not DOCS.exists():
         raise SystemExit(f"needs {DOCS} (the shared data folder beside the repository)")
     torch.manual_seed(0)
-    engine = build_engine(EngineConfig(
+    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype,
         max_num_batched_tokens=8192, kv_cache_memory=2 << 30, enable_blend=False,
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),

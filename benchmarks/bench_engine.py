@@ -115,12 +115,14 @@ def main() -> None:
     ap.add_argument("--decode-context", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--weight-dtype", default="auto", help="how our engine holds its weights (--weight-dtype)")
     ap.add_argument("--serving-requests", type=int, default=32,
                     help="mixed-size requests for the serving comparison (0 skips it)")
     args = ap.parse_args()
     torch.manual_seed(0)
     path = resolve_model(None)
-    engine = build_engine(EngineConfig(max_num_batched_tokens=8192, max_num_seqs=16, kv_cache_memory=1 << 30))
+    engine = build_engine(EngineConfig(max_num_batched_tokens=8192, max_num_seqs=16, kv_cache_memory=1 << 30,
+                                       weight_dtype=args.weight_dtype))
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
     ours_prefill(engine, 64, 1), hf_prefill(hf, 64, 1)  # warm-up: first calls pay one-time kernel set-up
     for n in [int(x) for x in args.prefill_lens.split(",")]:

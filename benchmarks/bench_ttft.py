@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--dtype", default="auto", help="the server's --dtype (auto: fp32 on the CPU)")
+    ap.add_argument("--weight-dtype", default="auto", help="the server's --weight-dtype")
     ap.add_argument("--servers", type=int, default=3,
                     help="repeat everything on this many fresh servers, one after another (the ratio varies more "
                          "between server processes than between requests); a summary row per length gives the median")
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows: dict[int, list[dict]] = {length: [] for length in lengths}
     for server in range(args.servers):
-        with server_process("--model", args.model, "--max-num-batched-tokens", "8192",
+        with server_process("--model", args.model, "--max-num-batched-tokens", "8192", "--weight-dtype", args.weight_dtype,
                             "--kv-cache-memory", args.kv_cache_memory, "--dtype", args.dtype) as (url, _):
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             model = served_model(url)
