@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, parts: EngineParts) -> None:
-        self.parts = parts
         self.config = parts.config
         self.model = parts.model
         self.model_config = parts.model_config
