@@ -43,6 +43,11 @@ BENCHMARKS: dict[str, list[str]] = {
                       "--prefill-tokens", "512", "--ttft-tokens", "2048"],
     "bench_kv_dtype": ["--kl-prompts", "4", "--greedy-prompts", "2", "--greedy-tokens", "64", "--needle-cases", "5",
                        "--ttft-tokens", "2048", "--repeats", "2"],
+    "bench_tiers": ["--length", "1024", "--skip-working-set"],
+    "bench_overload": ["--levels", "8,32", "--seconds", "5", "--burst", "16"],
+    "bench_soak": ["--minutes", "1", "--clients", "8"],
+    "bench_replicas": ["--replicas", "1,2", "--policies", "round_robin", "--workloads", "multi-turn",
+                       "--requests", "12", "--skip-handoff"],
 }
 
 
