@@ -43,7 +43,7 @@ from benchmarks.bench_blend import CapturingSampler, kl, make_cases, prompt_for
 from benchmarks.bench_ttft import TextSource, chat_tokens, conversation, server_process, served_model, with_last_line
 from reuse_server.config import EngineConfig
 from reuse_server.engine_builder import build_engine
-from reuse_server.launcher import free_port
+from reuse_server.launcher import free_port, wait_healthy
 from reuse_server.model.loader import bundled_gguf_path, model_source, resolve_model
 from reuse_server.model.quant_linear import NativeQuantLinear
 from reuse_server.model.weight_dtype import choose
@@ -130,18 +130,7 @@ def llama_server(binary: str, gguf: Path, threads: int, slots: int, ctx: int) ->
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
+        wait_healthy(url, proc, log, timeout=300, name="llama-server")
         yield url, proc
     finally:
         proc.terminate()

@@ -51,18 +51,7 @@ def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0
                                 preexec_fn=own_session if new_session else None)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise ServerStartError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerStartError(f"server did not come up in {startup_timeout:g} s:\n{_tail(log_path)}")
-            time.sleep(0.2)
+        wait_healthy(url, proc, log_path, startup_timeout)
         yield url, proc
     finally:
         proc.terminate()
@@ -75,6 +64,23 @@ def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0
 
 def _tail(log_path: Path, chars: int = 3000) -> str:
     return Path(log_path).read_text()[-chars:]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float, name: str = "server") -> None:
+    """Returns once GET url/health answers 200; ServerStartError (with the log's tail) if the process exits
+    first or timeout seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServerStartError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{name} did not come up in {timeout:g} s:\n{_tail(log_path)}")
+        time.sleep(0.2)
 
 
 @contextmanager
