@@ -468,6 +468,28 @@ class KVPool:
             return self.layout.join(values.cpu(), None if scales is None else scales.cpu())
         return target.encode(kv_quant.dequantize_blocks(values, scales)).cpu()
 
+    def export_blocks_async(self, blocks: list[int],
+                            as_dtype: "torch.dtype | str | None" = None) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
+        """export_blocks without waiting for the device: on CUDA the blocks are gathered on the device (so their
+        ids may be reused by the next step at once: the stream orders that write after the gather) and copied
+        into pinned host memory asynchronously. Returns (buffers, event): the buffers may be read only once
+        event.synchronize() returns (None: ready now, as on the CPU, where the pool already is host memory)."""
+        if self.device.type != "cuda":
+            return self.export_blocks(blocks, as_dtype), None
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        values = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5)
+        scales = None if self._scales is None else self._scales[:, :, ids].movedim(2, 0)
+        target = self.layout_for(as_dtype)
+        if target.dtype == self.dtype:
+            gathered = self.layout.join(values, scales)
+        else:
+            gathered = target.encode(kv_quant.dequantize_blocks(values, scales))
+        host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
     def import_blocks(self, blocks: list[int], data: torch.Tensor, layout: BlockLayout | None = None) -> None:
         """Write block buffers (uint8 [n, layout.nbytes], any device) into the given blocks. layout: what
         the buffers hold (export_blocks' layout_for(as_dtype)); another KV dtype than the pool's is

@@ -9,11 +9,15 @@ import shutil
 import pytest
 import torch
 
+from radix import BlockRecord
 from redis_server import redis_server
 from reuse_server.config import EngineConfig
 from reuse_server.engine_builder import build_engine
+from reuse_server.kv_pool import KVPool
 from reuse_server.sampling_params import CacheOptions, SamplingParams
 from reuse_server.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
+from reuse_server.tiers.host import HostTier
+from reuse_server.tiers.manager import Found, KVTiers
 from tiny_checkpoint import write_tiny_checkpoint
 
 BS = 4
@@ -376,3 +380,30 @@ def test_tiers_can_keep_blocks_in_a_smaller_kv_dtype(checkpoints, cold, tmp_path
     assert reader.snapshot()["tiers"]["disk"]["corrupt"] == 0
     reader.close()
     assert len(list((tmp_path / folders[0]).rglob("*.kv"))) == len(disk_files(tmp_path / folders[0]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the asynchronous copy into pinned memory is the CUDA pool's"))])
+@pytest.mark.parametrize("tier_dtype", [None, "bf16"])
+def test_demoted_blocks_keep_their_kv_when_the_pool_reuses_their_ids_at_once(device, tier_dtype):
+    """Demotion copies a block out while the engine goes on (on CUDA, asynchronously into pinned memory):
+    what the host tier holds, and loads back, is the KV from before the ids were written again."""
+    torch.manual_seed(SEED)
+    pool = KVPool(2, 8, BS, 2, 16, device=device)
+    shape = pool.layout.shape
+    original = pool.layout.encode(torch.randn(8, *shape))
+    pool.import_blocks(list(range(8)), original)
+    expected = pool.export_blocks([0, 1, 2, 3], tier_dtype)
+    tiers = KVTiers(pool, host=HostTier(10**8), dtype=tier_dtype)
+    records = [BlockRecord(bytes([i + 1]) * 16, bytes([i]) * 16, bytes(range(BS * 4)), b"", i) for i in range(4)]
+    tiers.removed(records)
+    pool.import_blocks([0, 1, 2, 3], pool.layout.encode(torch.randn(4, *shape)))  # the ids handed out again
+    held = tiers.host.get([r.hash for r in records])
+    assert torch.equal(torch.stack([held[r.hash].payload() for r in records]).cpu(), expected)
+    tiers.load([4, 5, 6, 7], [Found("host", held[r.hash]) for r in records])
+    back = pool.layout.decode(pool.export_blocks([4, 5, 6, 7]))
+    want = pool.layout.decode(original[:4])
+    if tier_dtype is None:
+        assert torch.equal(back, want)
+    else:
+        assert torch.allclose(back, want, rtol=1e-2, atol=1e-2)

@@ -27,17 +27,26 @@ class BadBlob(ValueError):
 
 @dataclass(frozen=True)
 class BlockEntry:
-    """A block's identity and its KV bytes (a row of KVPool.export_blocks: uint8, 1-D, on the CPU)."""
+    """A block's identity and its KV bytes (a row of KVPool.export_blocks: uint8, 1-D, on the CPU). Demoted
+    from a CUDA pool, the bytes may still be on their way (`copied`, the copy's event): read them through
+    payload()."""
 
     hash: bytes
     parent_hash: bytes
     tokens: bytes  # little-endian int32
     namespace: bytes
     kv: torch.Tensor
+    copied: "torch.cuda.Event | None" = None
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel()
+
+    def payload(self) -> torch.Tensor:
+        """The KV bytes, once the copy that fills them has finished."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.kv
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ def encode(entry: BlockEntry, ctx: BlobContext) -> bytes:
         "namespace": entry.namespace.hex(), "tokens": entry.tokens.hex(), "block_size": ctx.block_size,
         "hash_algo": ctx.hash_algo, "layout": ctx.layout, "payload_bytes": entry.nbytes,
     }, sort_keys=True).encode()
-    body = b"".join((_PREFIX.pack(MAGIC, VERSION, len(header)), header, entry.kv.numpy().tobytes()))
+    body = b"".join((_PREFIX.pack(MAGIC, VERSION, len(header)), header, entry.payload().numpy().tobytes()))
     return body + xxhash.xxh3_128_digest(body)
 
 

@@ -1,7 +1,8 @@
 """L1: blocks evicted from the device pool, kept in host RAM under their block hash, least recently used
-out first. On a CUDA server the copies go device -> pinned host memory; on a CPU-only server the device pool
-and this tier are the same RAM, so it is a larger extension of the pool that costs a copy to get back into
-it (a memcpy per block, against recomputing it)."""
+out first. On a CUDA server the copies go device -> pinned host memory without the engine waiting for them
+(KVPool.export_blocks_async); on a CPU-only server the device pool and this tier are the same RAM, so it is
+a larger extension of the pool that costs a copy to get back into it (a memcpy per block, against
+recomputing it)."""
 from __future__ import annotations
 
 import threading

@@ -70,12 +70,14 @@ class KVTiers:
 
     def _copy_out(self, records: list[BlockRecord], targets: list) -> None:
         """Copy the blocks' KV out of the pool now (their ids may be handed out right after) and give it to
-        the tiers that lack it."""
+        the tiers that lack it. From a CUDA pool the copy into host memory goes on while the engine runs its
+        next step; whoever reads the bytes waits for it (BlockEntry.payload)."""
         records = [r for r in records if any(t.contains(r.hash) is not True for t in targets)]
         if not records:
             return
-        kv = self.pool.export_blocks([r.block_id for r in records], self.dtype)
-        entries = [BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i]) for i, r in enumerate(records)]
+        kv, copied = self.pool.export_blocks_async([r.block_id for r in records], self.dtype)
+        entries = [BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i], copied)
+                   for i, r in enumerate(records)]
         for tier in targets:
             tier.put(entries)
 
@@ -149,7 +151,7 @@ class KVTiers:
         if not blocks:
             return
         start = time.perf_counter()
-        self.pool.import_blocks(blocks, torch.stack([f.entry.kv for f in found]), self.layout)
+        self.pool.import_blocks(blocks, torch.stack([f.entry.payload() for f in found]), self.layout)
         seconds = time.perf_counter() - start
         for tier in self.levels:
             share = sum(f.tier == tier.name for f in found) / len(found)
