@@ -13,10 +13,11 @@ the server measured it (bytes over seconds in /metrics).
 
 Part 2 (working set): `reuse-loadgen run --workload multi-turn` (users who leave and come back), first
 against a pool that holds everything (what it caches is the working set), then against a device pool of a
-fifth of that: alone, then with a host tier, a disk tier and a Redis tier each big enough for everything;
-prefix hit rate and TTFT from loadgen's report.
+fifth of that (never less than two of the longest prompts): alone, then with a host tier, a disk tier and a
+Redis tier each big enough for everything; prefix hit rate and TTFT from loadgen's report.
 
-    .venv/bin/python -m benchmarks.bench_tiers [--length 4096] [--runs 1] [--skip-working-set]
+    .venv/bin/python -m benchmarks.bench_tiers [--length 4096] [--runs 1] [--skip-ttft] [--skip-working-set]
+        [--working-set-requests 192]
 
 One JSON line per measurement.
 """
@@ -115,20 +116,25 @@ def ttft_part(args, tokenizer) -> list[dict]:
     return rows
 
 
-def run_loadgen(url: str, out: Path) -> dict | None:
+MAX_PROMPT_TOKENS = 1024
+OUTPUT_TOKENS = 16
+
+
+def run_loadgen(url: str, out: Path, requests: int) -> dict:
     done = subprocess.run([sys.executable, "-m", "loadgen.cli", "run", "--server", url, "--workload", "multi-turn",
-                           "--out", str(out), "--requests", "48", "--turns", "6", "--concurrency", "2",
-                           "--return-fraction", "0.5", "--output-tokens", "16", "--no-plots", "--no-progress"],
+                           "--out", str(out), "--requests", str(requests), "--turns", "6", "--concurrency", "2",
+                           "--return-fraction", "0.5", "--output-tokens", str(OUTPUT_TOKENS),
+                           "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--no-plots", "--no-progress"],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        print(done.stderr[-2000:], file=sys.stderr)
-        return None
+        raise RuntimeError(f"reuse-loadgen run failed:\n{done.stderr[-2000:]}")
     return json.loads((out / "report.json").read_text())["workloads"]["multi-turn"]
 
 
 def working_set_part(args) -> None:
     """Loadgen multi-turn with returning users: first against a pool that holds everything (the working set
-    is what it caches), then against a pool of a fifth of that, with each tier."""
+    is what it caches), then against a pool of a fifth of that (at least one longest prompt), with each
+    tier."""
     common = ("--model", args.model, "--max-num-batched-tokens", "4096", "--no-blend-key-shift")
     with tempfile.TemporaryDirectory(prefix="bench-tiers-ws-") as folder, redis_process(maxmemory="4gb") as (redis, _):
         setups = [("device holds all", ("--kv-cache-memory", "2GiB"))]
@@ -137,12 +143,12 @@ def working_set_part(args) -> None:
                                      ("+ disk", ("--disk-cache-dir", str(Path(folder) / "kv"))),
                                      ("+ redis", ("--redis-url", redis))]:
             if working_set is not None and name != "device holds all":
-                flags = ("--kv-cache-memory", str(int(working_set / 5 * args.bytes_per_token)), *flags)
+                pool_tokens = max(working_set // 5, 2 * (MAX_PROMPT_TOKENS + OUTPUT_TOKENS))
+                flags = ("--kv-cache-memory", str(int(pool_tokens * args.bytes_per_token)), *flags)
             with server_process(*common, *flags) as (url, _):
-                entry = run_loadgen(url, Path(folder) / name.replace(" ", "_").replace("+", "plus"))
+                entry = run_loadgen(url, Path(folder) / name.replace(" ", "_").replace("+", "plus"),
+                                    args.working_set_requests)
                 stats = httpx.get(url + "/v1/cache/stats").json()
-            if entry is None:
-                continue
             if working_set is None:
                 working_set = stats["device"]["cached_tokens"]
             emit(bench="tiers_working_set", setup=name, working_set_tokens=working_set,
@@ -159,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-working-set", action="store_true")
+    ap.add_argument("--working-set-requests", type=int, default=192,
+                    help="loadgen requests per setup (more requests: a larger working set)")
     args = ap.parse_args(argv)
 
     from transformers import AutoTokenizer
