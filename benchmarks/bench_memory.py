@@ -7,6 +7,8 @@ concurrent streaming chat requests with ~1k-token prompts run, and prints JSON l
 (/metrics kvreuse_kv_blocks_total x bytes per block), RSS after start-up, peak RSS under load, the
 kernel's high-water mark (VmHWM, which also covers model loading), and overhead = peak - weights - pool,
 split into the idle footprint's share (RSS after one short request) and what the load adds on top.
+The server holds its weights in fp32 here (--weight-dtype fp32), so that the weights' share is exact; the
+default (`auto`, int4 on the bundled model) holds them smaller: benchmarks/bench_weights.py measures that.
 
     .venv/bin/python -m benchmarks.bench_memory [--concurrency 8] [--prompt-tokens 1024] [--rounds 3]
 """
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = params * element
     per_block = kv_bytes_per_block(config, args.block_size, element)
 
-    with server_process("--model", args.model, "--kv-cache-memory", args.kv_cache_memory,
+    with server_process("--model", args.model, "--weight-dtype", "fp32", "--kv-cache-memory", args.kv_cache_memory,
                         "--block-size", str(args.block_size),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.serve_arg) as (url, proc):
         model = served_model(url)
