@@ -17,6 +17,7 @@ namespace {
 using namespace kv;
 
 constexpr int PANEL = 64;
+static_assert(PANEL == 64, "panel_fma (cpu_vector.h) runs panels of 64 columns");
 constexpr int TILE_ROWS = 6;
 
 template <int RT>
@@ -27,17 +28,7 @@ void tile(const float* x, int64_t ldx, const float* panel, const float* bias, in
         const v16 b = bias ? load(bias + 16 * h) : v16{};
         for (int i = 0; i < RT; ++i) acc[i][h] = b;
     }
-    for (int64_t kk = 0; kk < k; ++kk) {
-        const float* w = panel + kk * PANEL;
-        const v16 w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
-        for (int i = 0; i < RT; ++i) {
-            const v16 xb = splat(x[i * ldx + kk]);
-            acc[i][0] += xb * w0;
-            acc[i][1] += xb * w1;
-            acc[i][2] += xb * w2;
-            acc[i][3] += xb * w3;
-        }
-    }
+    panel_fma<RT>(acc, x, ldx, panel, k);
     for (int i = 0; i < RT; ++i) {
         if (cols == PANEL) {
             for (int h = 0; h < 4; ++h) store(y + i * ldy + 16 * h, acc[i][h]);

@@ -61,6 +61,14 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def fp32_rows(x: torch.Tensor, in_features: int, kernel: str) -> torch.Tensor:
+    """x as the native kernels take it: fp32 rows [n, in_features] on the CPU, unit stride along a row."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != in_features:
+        raise ValueError(f"{kernel} takes fp32 CPU input [rows, {in_features}], got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 class NativeLinear(nn.Module):
     """y = x W^T + b for 2-D fp32 x on the CPU, through the native kernel, with W packed into panels of 64
     output columns ([panels, in_features, 64], zero-padded). Not part of any state dict."""
@@ -84,11 +92,7 @@ class NativeLinear(nn.Module):
         return cls(*_stack(linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != self.in_features:
-            raise ValueError(f"NativeLinear takes fp32 CPU input [rows, {self.in_features}], got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x = fp32_rows(x, self.in_features, "NativeLinear")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0]:
             self._fn(x.data_ptr(), x.shape[0], x.stride(0), self.in_features, self.panels.data_ptr(),

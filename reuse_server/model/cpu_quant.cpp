@@ -30,6 +30,7 @@ namespace {
 using namespace kv;
 
 constexpr int PANEL = 64;
+static_assert(PANEL == 64, "panel_fma (cpu_vector.h) runs panels of 64 columns");
 // Up to DIRECT_ROWS rows of x run straight from the codes, in tiles of DIRECT_TILE rows that each widen a
 // panel's codes once; more rows decode chunks of CHUNK k (128 KiB of fp32, in L2) shared by blocks of up to
 // BLOCK_ROWS rows, whose accumulators (96 KiB) stay in L2 too. Measured on SmolLM2's layer shapes against each
@@ -262,17 +263,7 @@ void chunk_tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float
     v16 acc[RT][4];
     for (int i = 0; i < RT; ++i)
         for (int h = 0; h < 4; ++h) acc[i][h] = load(acc_rows + i * PANEL + 16 * h);
-    for (int64_t kk = 0; kk < kc; ++kk) {
-        const float* w = buf + kk * PANEL;
-        const v16 w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
-        for (int i = 0; i < RT; ++i) {
-            const v16 xb = splat(x[i * ldx + kk]);
-            acc[i][0] += xb * w0;
-            acc[i][1] += xb * w1;
-            acc[i][2] += xb * w2;
-            acc[i][3] += xb * w3;
-        }
-    }
+    panel_fma<RT>(acc, x, ldx, buf, kc);
     for (int i = 0; i < RT; ++i)
         for (int h = 0; h < 4; ++h) store(acc_rows + i * PANEL + 16 * h, acc[i][h]);
 }

@@ -36,4 +36,23 @@ inline v16 vexp(v16 x) {
     return p * (v16)e;
 }
 
+// acc[i][h] += x[i * ldx + kk] * panel[kk * 64 + 16 * h ...] for kk = 0 .. k - 1, in that order: the inner loop
+// of the fp32 linear kernel over one panel of 64 output columns stored k-major (cpu_linear.cpp), which the
+// quantized kernel runs over its decoded chunks too (cpu_quant.cpp). One loop for both keeps the order of a
+// row's sums the same in both, which keeps their results equal.
+template <int RT>
+inline void panel_fma(v16 (&acc)[RT][4], const float* x, int64_t ldx, const float* panel, int64_t k) {
+    for (int64_t kk = 0; kk < k; ++kk) {
+        const float* w = panel + kk * 64;
+        const v16 w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
+        for (int i = 0; i < RT; ++i) {
+            const v16 xb = splat(x[i * ldx + kk]);
+            acc[i][0] += xb * w0;
+            acc[i][1] += xb * w1;
+            acc[i][2] += xb * w2;
+            acc[i][3] += xb * w3;
+        }
+    }
+}
+
 }  // namespace kv

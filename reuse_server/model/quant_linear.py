@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_ops, native
-from .cpu_linear import PackedLinear, can_pack
+from .cpu_linear import PackedLinear, can_pack, fp32_rows
 from .quant_weights import QuantizedWeight, dequantize_rows, stack
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,7 @@ class NativeQuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != self.in_features:
-            raise ValueError(f"NativeQuantLinear takes fp32 CPU input [rows, {self.in_features}], got "
-                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x = fp32_rows(x, self.in_features, "NativeQuantLinear")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         status = self._fn(x.data_ptr(), x.shape[0], x.stride(0), self.in_features, *self._weights, y.data_ptr(),
                           torch.get_num_threads())
