@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 # torch's OpenMP threads: a short spin, not the long default that starves other processes on a shared
-# CPU, nor PASSIVE that sleeps after every parallel region (reuse_server/openmp.py, BENCHMARKS.md)
+# CPU, nor PASSIVE that sleeps after every parallel region (reuse_server/server/openmp.py, BENCHMARKS.md)
 ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 3000
 endif

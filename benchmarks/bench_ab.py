@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from reuse_server.openmp import with_short_spin
+from reuse_server.server.openmp import with_short_spin
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = {

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from blend.chunking import encode, render_chat_chunks
-from reuse_server.config import EngineConfig
-from reuse_server.engine import LLMEngine
-from reuse_server.engine_builder import build_engine
-from reuse_server.sampler import Sampler
-from reuse_server.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.engine import LLMEngine
+from reuse_server.engine.builder import build_engine
+from reuse_server.engine.sampler import Sampler
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 DOCS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor"
 QUESTION = "What is the access code for the Orion project?"

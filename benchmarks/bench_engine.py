@@ -15,11 +15,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from reuse_server.config import EngineConfig
-from reuse_server.engine import LLMEngine
-from reuse_server.engine_builder import build_engine
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.engine import LLMEngine
+from reuse_server.engine.builder import build_engine
 from reuse_server.model.loader import resolve_model
-from reuse_server.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 
 def emit(**row) -> None:

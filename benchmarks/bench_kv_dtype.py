@@ -39,12 +39,12 @@ from benchmarks.bench_ttft import TextSource, conversation, with_last_line
 from blend.chunking import render_chat_chunks
 from blend.key_shift import unrope
 from blend.rope import apply_rope, rerope_dense
-from reuse_server.config import EngineConfig
-from reuse_server.engine import LLMEngine
-from reuse_server.engine_builder import build_engine
-from reuse_server.kv_pool import KVPool
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.engine import LLMEngine
+from reuse_server.engine.builder import build_engine
+from reuse_server.kv.pool import KVPool
 from reuse_server.model import cpu_attention, native
-from reuse_server.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 KL_QUESTION = "In one sentence, what is the text above about?"
@@ -160,11 +160,11 @@ def prompt_keys(engine: LLMEngine, rid: str, ids: list[int]) -> torch.Tensor:
     position 0 on the engine's pool (filed in its prefix cache, read back through it)."""
     run_one(engine, rid, ids, [], blend=False, ratio=None, max_tokens=1, prefix_cache=True)
     engine.sampler.first_logits.clear()
-    bs = engine.kv.block_size
+    bs = engine.pool.block_size
     full = (len(ids) - 1) // bs * bs
     match = engine.cache.match(ids[:full], b"", record_stats=False)
     slots = torch.tensor([match.block_ids[p // bs] * bs + p % bs for p in range(full)])
-    return torch.stack([k.float() for k in engine.kv.read_keys(slots)])
+    return torch.stack([k.float() for k in engine.pool.read_keys(slots)])
 
 
 def blend_key_deviation(engine: LLMEngine, case, inv_freq: torch.Tensor) -> float:
@@ -225,19 +225,19 @@ def tier_round_trip_kl(engine: LLMEngine, prompts: list[list[int]], tier_dtypes:
     does to a block that leaves the pool and returns): first-token KL of a warm request against the same
     request over the untouched blocks."""
     kls = {t: [] for t in tier_dtypes}
-    bs = engine.kv.block_size
+    bs = engine.pool.block_size
     for i, ids in enumerate(prompts):
         engine.cache.reset_prefix_cache()
         first_logits(engine, f"tc{i}", ids, prefix_cache=True)  # files the prompt's blocks
         follow = ids[:-1] + [ids[-1]]  # the same prompt again: all but its last token from the cache
         blocks = engine.cache.match(ids[:(len(ids) - 1) // bs * bs], b"", record_stats=False).block_ids
-        original = engine.kv.export_blocks(blocks)
+        original = engine.pool.export_blocks(blocks)
         reference = first_logits(engine, f"tr{i}", follow, prefix_cache=True)
         for tier in tier_dtypes:
-            engine.kv.import_blocks(blocks, engine.kv.export_blocks(blocks, as_dtype=tier), engine.kv.layout_for(tier))
+            engine.pool.import_blocks(blocks, engine.pool.export_blocks(blocks, as_dtype=tier), engine.pool.layout_for(tier))
             kls[tier].append(kl(reference, first_logits(engine, f"t{tier}{i}", follow, prefix_cache=True)))
-            engine.kv.import_blocks(blocks, original)
-    return {t: dict(tier_bytes_per_block=engine.kv.layout_for(t).nbytes, tier_first_token_kl_median=statistics.median(v))
+            engine.pool.import_blocks(blocks, original)
+    return {t: dict(tier_bytes_per_block=engine.pool.layout_for(t).nbytes, tier_first_token_kl_median=statistics.median(v))
             for t, v in kls.items()}
 
 
@@ -319,17 +319,17 @@ def main() -> None:
                          relative_rms=round(blend_key_deviation(base, cases[0], inv_freq), 4)))
         ref_logits = [first_logits(base, f"kl-fp32-{i}", ids) for i, ids in enumerate(prompts)]
         ref_greedy = greedy(base, prompts[:args.greedy_prompts], args.greedy_tokens, "fp32")
-        rows.append(emit(bench="kv_dtype", kv_dtype="fp32", bytes_per_token=base.kv.bytes_per_token,
-                         tokens_per_gib=int(2**30 / base.kv.bytes_per_token), first_token_kl_median=0.0,
+        rows.append(emit(bench="kv_dtype", kv_dtype="fp32", bytes_per_token=base.pool.bytes_per_token,
+                         tokens_per_gib=int(2**30 / base.pool.bytes_per_token), first_token_kl_median=0.0,
                          greedy_prefix_agreement=1.0, **needle(base, cases, args.needle_ratio, 16, "fp32")))
         for name, value in tier_round_trip_kl(base, prompts, args.tier_dtypes.split(",")).items():
             rows.append(emit(bench="tier_kv_dtype", pool="fp32", tier_kv_dtype=name, **value))
 
     for kv_dtype in args.dtypes.split(","):
         engine = make_engine(kv_dtype, args.kv_cache_memory)
-        row = dict(bench="kv_dtype", kv_dtype=kv_dtype, bytes_per_token=engine.kv.bytes_per_token,
-                   tokens_per_gib=int(2**30 / engine.kv.bytes_per_token),
-                   pool_blocks=engine.kv.num_blocks, fp32_pool_blocks=base.kv.num_blocks)
+        row = dict(bench="kv_dtype", kv_dtype=kv_dtype, bytes_per_token=engine.pool.bytes_per_token,
+                   tokens_per_gib=int(2**30 / engine.pool.bytes_per_token),
+                   pool_blocks=engine.pool.num_blocks, fp32_pool_blocks=base.pool.num_blocks)
         if quality:
             kls = [kl(ref, first_logits(engine, f"kl-{kv_dtype}-{i}", ids))
                    for i, (ref, ids) in enumerate(zip(ref_logits, prompts))]

@@ -53,7 +53,7 @@ def checkpoint_weights(folder: Path) -> tuple[int, int]:
 
 
 def kv_bytes_per_block(config: dict, block_size: int, element_bytes: int) -> int:
-    """K and V, every layer, block_size tokens (the layout of reuse_server.kv_pool.KVPool)."""
+    """K and V, every layer, block_size tokens (the layout of reuse_server.kv.pool.KVPool)."""
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)

@@ -1,6 +1,6 @@
 """Replicas behind the SGLang model gateway on the bundled SmolLM2: what sharing KV through Redis buys.
 
-Part 1 (matrix): `reuse-loadgen run` through the gateway (`reuse_server.cluster`) for each replica count,
+Part 1 (matrix): `reuse-loadgen run` through the gateway (`reuse_server.server.cluster`) for each replica count,
 each gateway policy, with and without the Redis tier, on the multi-turn and agent-loop workloads; loadgen
 scrapes every replica's /metrics (--replica-metrics) and reports per-replica requests, hit rate and TTFT and
 their spread. Every cell starts cold (a new Redis, new replicas, a new gateway).
@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from reuse_server.cluster import POLICIES, gateway, replica_set
-from reuse_server.launcher import redis_process
+from reuse_server.server.cluster import POLICIES, gateway, replica_set
+from reuse_server.server.launcher import redis_process
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("river stone cloud paper seven orange window garden yellow silver market letter engine harbour "

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.bench_ttft import served_model, server_process
 from reuse_server.model.loader import load_tokenizer, resolve_model
-from reuse_server.structured_output import Constraint, GrammarCompiler, GrammarMatchers, apply_bitmask_
+from reuse_server.engine.structured_output import Constraint, GrammarCompiler, GrammarMatchers, apply_bitmask_
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},

@@ -36,7 +36,7 @@ import httpx
 import openai
 
 from benchmarks.bench_ttft import TextSource, conversation, emit, server_process, served_model, stream_ttft, with_last_line
-from reuse_server.launcher import redis_process
+from reuse_server.server.launcher import redis_process
 
 QUESTION = "In one sentence, what is the main event described above?"
 

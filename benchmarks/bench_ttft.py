@@ -30,7 +30,7 @@ import httpx
 import openai
 
 from blend.chunking import render_chat_chunks
-from reuse_server.launcher import served
+from reuse_server.server.launcher import served
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO.parent / "shared" / "data" / "docs" / "lee_background.cor"

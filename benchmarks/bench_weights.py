@@ -41,13 +41,13 @@ import torch
 
 from benchmarks.bench_blend import CapturingSampler, kl, make_cases, prompt_for
 from benchmarks.bench_ttft import TextSource, chat_tokens, conversation, server_process, served_model, with_last_line
-from reuse_server.config import EngineConfig
-from reuse_server.engine_builder import build_engine
-from reuse_server.launcher import free_port, wait_healthy
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.builder import build_engine
+from reuse_server.server.launcher import free_port, wait_healthy
 from reuse_server.model.loader import bundled_gguf_path, model_source, resolve_model
 from reuse_server.model.quant_linear import NativeQuantLinear
 from reuse_server.model.weight_dtype import choose
-from reuse_server.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 MIB = 1 << 20
 DECODE_PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from reuse_server.openmp import describe, with_short_spin
+from reuse_server.server.openmp import describe, with_short_spin
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not text.strip():
         raise UsageError(f"--text {args.text} is empty")
 
-    from reuse_server.openmp import apply_short_spin
+    from reuse_server.server.openmp import apply_short_spin
 
     apply_short_spin()  # before torch loads: a shared CPU's other processes keep their cores (see openmp.py)
     import torch  # the heavy imports wait until the flags are known to be good

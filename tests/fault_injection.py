@@ -2,10 +2,10 @@
 normally until the returned event is set, then raise. For the tests of what a dead engine does."""
 import threading
 
-from reuse_server.async_engine import AsyncEngine
-from reuse_server.config import EngineConfig
-from reuse_server.engine import LLMEngine
-from reuse_server.engine_builder import build_engine
+from reuse_server.engine.async_engine import AsyncEngine
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.engine import LLMEngine
+from reuse_server.engine.builder import build_engine
 
 FAULT = "injected device fault"
 

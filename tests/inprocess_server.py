@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from reuse_server.api.app import create_app
-from reuse_server.launcher import free_port
+from reuse_server.server.launcher import free_port
 
 
 @contextmanager

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from reuse_server.launcher import ServerStartError, served
+from reuse_server.server.launcher import ServerStartError, served
 
 REPO = Path(__file__).resolve().parents[1]
 

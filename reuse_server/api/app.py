@@ -10,8 +10,8 @@ from reuse_server.api.errors import install_error_handlers
 from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
-from reuse_server.metrics import ServerMetrics
-from reuse_server.structured_output import GrammarCompiler
+from reuse_server.server.metrics import ServerMetrics
+from reuse_server.engine.structured_output import GrammarCompiler
 
 
 def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSettings | None = None) -> FastAPI:

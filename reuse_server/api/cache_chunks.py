@@ -19,8 +19,8 @@ from reuse_server.api.chat_template import user_turn_opening
 from reuse_server.api.errors import ModelNotFound
 from reuse_server.api.generation import until_done_or_disconnected
 from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
-from reuse_server.outputs import RequestOutput
-from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
 
 
 def check_lengths(chunks: list[list[int]], limit: int, opening: int) -> None:

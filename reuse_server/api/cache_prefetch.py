@@ -15,7 +15,7 @@ from reuse_server.api.completions import completion_prompt
 from reuse_server.api.errors import ModelNotFound
 from reuse_server.api.generation import until_done_or_disconnected
 from reuse_server.api.protocol import CachePrefetchRequest, CachePrefetchResponse, TierTokens
-from reuse_server.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 
 async def prefetch(engine, body: CachePrefetchRequest, request: Request) -> Response:

@@ -18,8 +18,8 @@ from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceL
                                        FunctionCall, ToolCall, TopLogprob)
 from reuse_server.api.tools import (StreamEvent, ToolCallStream, finish_reason, output_constraint,
                                     parse_tool_calls, tool_settings)
-from reuse_server.outputs import RequestOutput, TokenLogprob
-from reuse_server.sampling_params import InvalidRequest
+from reuse_server.engine.outputs import RequestOutput, TokenLogprob
+from reuse_server.engine.sampling_params import InvalidRequest
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:

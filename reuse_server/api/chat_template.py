@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
 from reuse_server.api.tools import ToolSettings, for_template
-from reuse_server.sampling_params import InvalidRequest
+from reuse_server.engine.sampling_params import InvalidRequest
 
 NO_TOOLS = ToolSettings((), "none", True)
 

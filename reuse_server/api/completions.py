@@ -16,8 +16,8 @@ from reuse_server.api.generation import (SSEResponse, cache_options, check_commo
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from reuse_server.api.tools import output_constraint
-from reuse_server.outputs import RequestOutput, TokenLogprob
-from reuse_server.sampling_params import InvalidRequest
+from reuse_server.engine.outputs import RequestOutput, TokenLogprob
+from reuse_server.engine.sampling_params import InvalidRequest
 
 
 def completion_prompt(tokenizer, prompt: str | list, separator: str | None = None) -> PromptChunks:

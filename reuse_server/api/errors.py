@@ -12,8 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reuse_server.api.auth import Unauthorized
 from reuse_server.api.protocol import ErrorDetail, ErrorResponse
-from reuse_server.request_errors import EngineUnavailable, QueueFull, RequestTimedOut, ServerDraining
-from reuse_server.sampling_params import InvalidRequest
+from reuse_server.engine.request_errors import EngineUnavailable, QueueFull, RequestTimedOut, ServerDraining
+from reuse_server.engine.sampling_params import InvalidRequest
 
 logger = logging.getLogger("reuse_server.api")
 

@@ -18,9 +18,9 @@ from starlette.responses import StreamingResponse
 
 from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNotFound, error_body, service_error
 from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
-from reuse_server.outputs import RequestOutput
-from reuse_server.sampling_params import CacheOptions, InvalidRequest, SamplingParams
-from reuse_server.structured_output import Constraint
+from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.engine.structured_output import Constraint
 
 logger = logging.getLogger("reuse_server.api")
 

@@ -23,7 +23,7 @@ from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, 
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
-from reuse_server.sampling_params import InvalidRequest
+from reuse_server.engine.sampling_params import InvalidRequest
 
 _STARTED = int(time.time())
 

@@ -36,8 +36,8 @@ from typing import Any, Literal
 from jinja2 import Environment, meta
 
 from reuse_server.api.protocol import ChatCompletionRequest, ResponseFormat, ToolDefinition
-from reuse_server.sampling_params import InvalidRequest
-from reuse_server.structured_output import Constraint
+from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.engine.structured_output import Constraint
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

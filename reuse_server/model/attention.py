@@ -50,17 +50,17 @@ class AttentionMetadata:
             self._cache[key] = build()
         return self._cache[key]
 
-    def leading_run(self, kv, s: int) -> tuple[int, int]:
+    def leading_run(self, pool, s: int) -> tuple[int, int]:
         """(first block id, number of blocks) of the consecutive block ids that start sequence s's table,
         worked out once per step."""
         if self._leading_runs is None:
-            self._leading_runs = [kv.leading_run(t, n) for t, n in zip(self.block_tables, self.context_lens)]
+            self._leading_runs = [pool.leading_run(t, n) for t, n in zip(self.block_tables, self.context_lens)]
         return self._leading_runs[s]
 
-    def consecutive_start(self, kv, s: int) -> int | None:
+    def consecutive_start(self, pool, s: int) -> int | None:
         """The first block id when all of sequence s's context lies in consecutive blocks, else None."""
-        first, blocks = self.leading_run(kv, s)
-        return first if blocks and blocks * kv.block_size >= self.context_lens[s] else None
+        first, blocks = self.leading_run(pool, s)
+        return first if blocks and blocks * pool.block_size >= self.context_lens[s] else None
 
     def sequence_masks(
         self, positions: torch.Tensor, sliding_window: int | None, dtype: torch.dtype
@@ -158,24 +158,24 @@ def paged_attention(
     q: torch.Tensor,
     meta: AttentionMetadata,
     masks: list[_SequenceMask],
-    kv,
+    pool,
     layer_idx: int,
     scale: float,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim] (post-RoPE). The query tokens' own K/V must already be in the pool.
     Returns [T, heads, head_dim]."""
     if len(masks) > 1 and all(m.mask is None and not m.is_causal for m in masks) and q.shape[0] == len(masks):
-        return _decode_batch(q, meta, kv, layer_idx, scale)
+        return _decode_batch(q, meta, pool, layer_idx, scale)
     out = torch.empty_like(q)
     for s, seq_mask in enumerate(masks):
         lo, hi = meta.query_start[s], meta.query_start[s + 1]
         if hi == lo:
             continue
-        run = _in_place_run(q, meta, kv, s, seq_mask, hi - lo)
+        run = _in_place_run(q, meta, pool, s, seq_mask, hi - lo)
         if run is not None:
-            out[lo:hi] = _attend_split(q[lo:hi], meta, kv, layer_idx, s, seq_mask, run, scale)
+            out[lo:hi] = _attend_split(q[lo:hi], meta, pool, layer_idx, s, seq_mask, run, scale)
             continue
-        k, v = kv.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(kv, s))
+        k, v = pool.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(pool, s))
         k, v = k.to(q.dtype).transpose(0, 1).unsqueeze(0), v.to(q.dtype).transpose(0, 1).unsqueeze(0)
         for g_lo, g_hi, keys in seq_mask.groups or [(0, hi - lo, meta.context_lens[s])]:
             rows = q[lo + g_lo:lo + g_hi]
@@ -199,33 +199,33 @@ def paged_attention(
     return out
 
 
-def _in_place_run(q, meta: AttentionMetadata, kv, s: int, seq_mask: _SequenceMask, rows: int):
+def _in_place_run(q, meta: AttentionMetadata, pool, s: int, seq_mask: _SequenceMask, rows: int):
     """(first block, blocks) of sequence s's prefix to attend in place (see SPLIT_CACHED_PREFIX), or None."""
     if (not SPLIT_CACHED_PREFIX or q.device.type != "cpu" or seq_mask.is_causal or seq_mask.windowed
-            or not 2 <= rows <= FOLD_MAX_ROWS or q.shape[1] == kv.num_kv_heads or q.dtype != kv.dtype
-            or meta.consecutive_start(kv, s) is not None):
+            or not 2 <= rows <= FOLD_MAX_ROWS or q.shape[1] == pool.num_kv_heads or q.dtype != pool.dtype
+            or meta.consecutive_start(pool, s) is not None):
         return None
-    first, blocks = meta.leading_run(kv, s)
-    prefix = blocks * kv.block_size
+    first, blocks = meta.leading_run(pool, s)
+    prefix = blocks * pool.block_size
     # every query must see the whole prefix and at least one key after it (its own)
     if prefix * 2 < meta.context_lens[s] or seq_mask.first_query < prefix:
         return None
     return first, blocks
 
 
-def _attend_split(q: torch.Tensor, meta: AttentionMetadata, kv, layer: int, s: int, seq_mask: _SequenceMask,
+def _attend_split(q: torch.Tensor, meta: AttentionMetadata, pool, layer: int, s: int, seq_mask: _SequenceMask,
                   run: tuple[int, int], scale: float) -> torch.Tensor:
     """Attention of q ([n, heads, hd]) over sequence s: its leading run of consecutive blocks read in place
     (no mask: every query sees all of it), the remaining keys gathered and masked, the two partial results
     merged by their log-sum-exp."""
     first, blocks = run
     n, heads, hd = q.shape
-    kv_heads, prefix, ctx = kv.num_kv_heads, blocks * kv.block_size, meta.context_lens[s]
+    kv_heads, prefix, ctx = pool.num_kv_heads, blocks * pool.block_size, meta.context_lens[s]
     group = heads // kv_heads
     folded = _fold_heads(q, kv_heads)
-    k_run, v_run = kv.run(layer, first, blocks)
+    k_run, v_run = pool.run(layer, first, blocks)
     k_run, v_run = k_run.transpose(0, 1).unsqueeze(0), v_run.transpose(0, 1).unsqueeze(0)
-    k_rest, v_rest = kv.gather(layer, meta.block_tables[s][blocks:], ctx - prefix)
+    k_rest, v_rest = pool.gather(layer, meta.block_tables[s][blocks:], ctx - prefix)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o_run, lse_run = flash(folded, k_run, v_run, scale=scale)[:2]
     o_rest, lse_rest = flash(folded, k_rest.transpose(0, 1).unsqueeze(0), v_rest.transpose(0, 1).unsqueeze(0),
@@ -256,13 +256,13 @@ def _attend_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return _unfold_heads(out, q.shape[0])
 
 
-def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, scale: float) -> torch.Tensor:
+def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, pool, layer_idx: int, scale: float) -> torch.Tensor:
     """Several sequences with one query token each, every one seeing its whole context: one gather of the
     block tables padded to the longest context, one masked attention call, instead of a call per sequence."""
     s, heads, hd = q.shape
-    kv_heads = kv.num_kv_heads
+    kv_heads = pool.num_kv_heads
     if meta._decode_plan is None:
-        bs = kv.block_size
+        bs = pool.block_size
         longest = max(meta.context_lens)
         width = -(-longest // bs)
         table = torch.zeros(len(meta.block_tables), width, dtype=torch.long, device=q.device)
@@ -275,7 +275,7 @@ def _decode_batch(q: torch.Tensor, meta: AttentionMetadata, kv, layer_idx: int, 
         meta._decode_plan = (table.flatten(), mask[:, None, None, :], longest)
     flat_table, mask, longest = meta._decode_plan
     # index_select over whole blocks: far cheaper than advanced indexing with a 2-D table
-    k, v = kv.gather_blocks(layer_idx, flat_table)
+    k, v = pool.gather_blocks(layer_idx, flat_table)
     k, v = k.view(s, -1, kv_heads, hd)[:, :longest], v.view(s, -1, kv_heads, hd)[:, :longest]
     # The query heads sharing a KV head become that head's query rows (GQA without repeating K/V).
     out = F.scaled_dot_product_attention(

@@ -35,33 +35,33 @@ class CpuAttentionKernel:
         self._any = lib.kv_paged_attention
 
     @staticmethod
-    def takes(q: torch.Tensor, kv) -> bool:
+    def takes(q: torch.Tensor, pool) -> bool:
         """Whether this call's tensors suit the kernel: fp32 queries on the CPU, a pool stored in fp32, fp16,
         bf16, fp8 e4m3 or int8, head_dim 16, 32, 64 or 128."""
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv.dtype in FORMATS
-                and kv.device.type == "cpu" and kv.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1
-                and q.stride(-2) == kv.head_dim)
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and pool.dtype in FORMATS
+                and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1
+                and q.stride(-2) == pool.head_dim)
 
-    def __call__(self, q: torch.Tensor, plan: "KernelPlan", kv, layer: int, scale: float,
+    def __call__(self, q: torch.Tensor, plan: "KernelPlan", pool, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:
         """q: [T, heads, head_dim] (post-RoPE; a view with a wider token stride is fine). Returns [T, heads,
         head_dim]; every token's own K/V must already be in the pool."""
         t, heads, hd = q.shape
         out = torch.empty((t, heads, hd), dtype=q.dtype)
-        k, v = kv.layer_blocks(layer)
+        k, v = pool.layer_blocks(layer)
         shape = (plan.num_sequences, plan.seq_info.data_ptr(), plan.block_tables.data_ptr(),
-                 plan.positions.data_ptr(), heads, kv.num_kv_heads, hd, kv.block_size, window or 0, scale,
+                 plan.positions.data_ptr(), heads, pool.num_kv_heads, hd, pool.block_size, window or 0, scale,
                  torch.get_num_threads())
-        if kv.dtype == torch.float32:
+        if pool.dtype == torch.float32:
             status = self._fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(), *shape)
         else:
-            ks, vs = kv.layer_scales(layer)
+            ks, vs = pool.layer_scales(layer)
             status = self._any(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(),
                                0 if ks is None else ks.data_ptr(), 0 if vs is None else vs.data_ptr(),
-                               FORMATS[kv.dtype], *shape)
+                               FORMATS[pool.dtype], *shape)
         if status != 0:
-            raise ValueError(f"the CPU attention kernel does not take heads={heads} kv_heads={kv.num_kv_heads} "
-                             f"head_dim={hd} block_size={kv.block_size}")
+            raise ValueError(f"the CPU attention kernel does not take heads={heads} kv_heads={pool.num_kv_heads} "
+                             f"head_dim={hd} block_size={pool.block_size}")
         return out
 
 

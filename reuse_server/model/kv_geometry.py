@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reuse_server.kv_layout import KVGeometry, LayerKV
+from reuse_server.kv.layout import KVGeometry, LayerKV
 
 from .bundled import bundled_gguf_path, is_bundled
 from .config import layer_windows

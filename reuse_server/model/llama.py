@@ -76,7 +76,7 @@ class Attention(nn.Module):
             qk, v = torch.cat([self.q_proj(hidden), self.k_proj(hidden)], -1), self.v_proj(hidden)
         return qk.view(t, self.num_heads + self.num_kv_heads, hd), v.view(t, self.num_kv_heads, hd)
 
-    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int, rotary: RotaryEmbedding,
+    def forward(self, hidden, positions, meta: AttentionMetadata, pool, layer_idx: int, rotary: RotaryEmbedding,
                 select: "RowSelection | None" = None):
         """Writes every token's K/V; then attends for the rows `select` keeps (all without one). Returns the
         attention output [rows, hidden], the rows kept (ascending indices into the T tokens; None: all), and
@@ -85,18 +85,18 @@ class Attention(nn.Module):
         qk = _rotate(qk, positions, meta, rotary)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         rows = select.rows(layer_idx, q, k, v, meta) if select is not None else None  # sees the stale K/V
-        kv.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
+        pool.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
         if rows is not None:
             q, positions, meta = q[rows], positions[rows], meta.subset(rows)
         t = q.shape[0]
         kernel = self.backend.attention
-        if kernel is not None and kernel.takes(q, kv):
+        if kernel is not None and kernel.takes(q, pool):
             plan = meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
-                meta.query_start, meta.block_tables, meta.context_lens, positions, kv.block_size, kv.num_blocks))
-            out = kernel(q, plan, kv, layer_idx, self.scale, self.sliding_window)
+                meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size, pool.num_blocks))
+            out = kernel(q, plan, pool, layer_idx, self.scale, self.sliding_window)
         else:
             masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
-            out = paged_attention(q, meta, masks, kv, layer_idx, self.scale)
+            out = paged_attention(q, meta, masks, pool, layer_idx, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), rows, positions, meta
 
 
@@ -146,13 +146,13 @@ class DecoderLayer(nn.Module):
         # Shared, not owned: a plain attribute keeps it out of this layer's state dict.
         self.__dict__["rotary"] = rotary
 
-    def forward(self, hidden, positions, meta: AttentionMetadata, kv, layer_idx: int | None = None,
+    def forward(self, hidden, positions, meta: AttentionMetadata, pool, layer_idx: int | None = None,
                 select: "RowSelection | None" = None):
         """hidden [T, hidden] -> (hidden, positions, meta) of the rows that go on (all T, or those `select`
         keeps: only they run attention and the MLP), residuals included. Writes this layer's K/V of all T
         tokens at meta.slot_mapping."""
         idx = self.layer_idx if layer_idx is None else layer_idx
-        attended, rows, positions, meta = self.self_attn(self.input_layernorm(hidden), positions, meta, kv, idx,
+        attended, rows, positions, meta = self.self_attn(self.input_layernorm(hidden), positions, meta, pool, idx,
                                                          self.rotary, select)
         if rows is not None:
             hidden = hidden[rows]
@@ -252,11 +252,11 @@ class LlamaModel(nn.Module):
             return self.lm_head(hidden_after_norm).float()
         return F.linear(hidden_after_norm, self.embed_tokens.weight).float()
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv, select: RowSelection | None = None
+    def forward(self, input_ids, positions, meta: AttentionMetadata, pool, select: RowSelection | None = None
                 ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final-normed hidden states of the rows that come out of the
         last layer: all T, or those `select` keeps."""
         hidden = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
-            hidden, positions, meta = layer(hidden, positions, meta, kv, i, select)
+            hidden, positions, meta = layer(hidden, positions, meta, pool, i, select)
         return self.final_norm(hidden)

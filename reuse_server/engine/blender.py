@@ -1,0 +1,307 @@
+"""Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
+only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
+- admit: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the chunk
+  index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
+  (re-RoPE from positions 0..n-1 to where the chunk now sits; chunks cached alone that other text now
+  precedes also get the model's key shift, blend/key_shift.py) and open a BlendJob;
+- run: the prompt is prefilled in slices like any other, batched with other work in the runner's one
+  forward; for each slice the Blender gives a SliceSelection, which only chooses rows: every token not
+  reused is always computed; reused tokens are computed up to the first check layer, where the deviation
+  between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
+  the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
+  reused KV comes first (QuestionProbe);
+- finish: the job's counts go to the request's usage, and the prompt's reusable chunks that the index
+  lacks are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
+  namespace of the radix cache.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from blend import GradualSchedule, first_tokens_mask, kv_deviation
+from blend.chunk_index import ChunkHit, ChunkIndex
+from blend.key_shift import KeyShift
+from blend.selection import combine_scores, query_attention, select_top_k
+
+from reuse_server.kv.block_manager import BlockManager, approximate_namespace
+from reuse_server.kv.pool import KVPool
+from reuse_server.model.attention import AttentionMetadata
+from reuse_server.model.llama import RowSelection
+from reuse_server.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlendSettings:
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    # Gradual filtering: the fraction kept at each check layer is ratio * factor, the factors falling to 1
+    # at the last check layer (e.g. check layers (1, 2, 3) with factors (3, 2, 1)).
+    gradual_factors: tuple[float, ...] = (1.0,)
+    score: str = "kv"  # deviation score: "k", "v" or "kv"
+    first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
+    # Query-aware selection: a probe pass runs the prompt's tail after the last reused chunk (the question)
+    # over the reused KV; the attention it pays each reused token, summed over layers, joins the deviation
+    # score with this weight. 0: deviation alone (CacheBlend).
+    query_weight: float = 0.0
+    min_chunk_tokens: int = 32
+
+    def schedule(self, ratio: float) -> GradualSchedule:
+        ratios = [min(1.0, ratio * f) for f in self.gradual_factors]
+        return GradualSchedule(list(self.check_layers), ratios)
+
+
+@dataclass
+class Reuse:
+    start: int  # prompt position the chunk starts at
+    hit: ChunkHit
+    skip: int = 0  # leading chunk tokens already served by the exact prefix match
+
+
+@dataclass
+class BlendJob:
+    """One blended prefill: which prompt tokens came from the chunk index, and what selection made of them."""
+
+    reused: torch.Tensor  # bool [prompt tokens]: KV copied in from the chunk index
+    chunk_starts: set[int]  # prompt positions of the chunks reused (they are not registered again)
+    ratio: float
+    always: torch.Tensor | None  # bool [prompt tokens]: always recomputed (first tokens of each chunk)
+    probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays (query weighting)
+    probed: bool = False
+    blended: int = 0  # reused tokens selection left alone
+    recomputed: int = 0  # reused tokens selection recomputed
+
+
+class Blender:
+    def __init__(self, pool: KVPool, blocks: BlockManager, index: ChunkIndex, settings: BlendSettings,
+                 num_layers: int, inv_freq: torch.Tensor, attention_scale: float,
+                 key_shift: KeyShift | None = None) -> None:
+        self.pool = pool
+        self.blocks = blocks
+        self.index = index
+        self.settings = settings
+        self.num_layers = num_layers
+        self.inv_freq = inv_freq
+        self.attention_scale = attention_scale
+        self.key_shift = key_shift
+        self.block_size = pool.block_size
+        settings.schedule(settings.recompute_ratio).validate_for(num_layers)
+        self.jobs: dict[str, BlendJob] = {}
+        self.registered_chunks = 0
+
+    def _spans_ending_after(self, seq: Sequence, pos: int) -> list[tuple[int, int]]:
+        return [(s, n) for s, n in seq.cache.chunk_spans if s + n > pos and n >= self.index.min_tokens]
+
+    def ratio_for(self, seq: Sequence) -> float:
+        ratio = seq.cache.recompute_ratio
+        return self.settings.recompute_ratio if ratio is None else ratio
+
+    def approximate_namespace(self, seq: Sequence) -> bytes:
+        """The namespace seq's blended KV is filed under: everything that decides what KV blending produces."""
+        s = self.settings
+        return approximate_namespace(seq.namespace, f"r={self.ratio_for(seq):.6g};score={s.score};"
+                                     f"check={s.check_layers};factors={s.gradual_factors};first={s.first_tokens};"
+                                     f"query={s.query_weight:g};shift={self.key_shift is not None}")
+
+    # ---- admit -----------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> bool:
+        """Called right after the block manager admitted seq (its exact prefix matched): look its chunks up
+        in the chunk index and, if any is cached, take blocks for the whole prompt, copy the cached KV in and
+        open a job. False when those blocks are not available (no job; the caller releases seq)."""
+        if seq.output_ids:  # a preempted request recomputes exactly
+            return True
+        reuses = self._lookup(seq)
+        if not reuses:
+            return True
+        try:
+            if not self.blocks.ensure_capacity(seq, seq.num_tokens):
+                return False
+            self._copy_in(seq, reuses)
+        finally:
+            for r in reuses:
+                self.index.release(r.hit)
+        n = seq.num_tokens
+        reused = torch.zeros(n, dtype=torch.bool)
+        for r in reuses:
+            reused[r.start + r.skip:r.start + r.hit.num_tokens] = True
+        reused[:seq.num_computed] = False  # served by the exact prefix: not computed at all
+        always = None
+        if self.settings.first_tokens:
+            always = first_tokens_mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
+                                       self.settings.first_tokens, total=n)
+        self.jobs[seq.request_id] = BlendJob(reused, {r.start for r in reuses}, self.ratio_for(seq), always)
+        return True
+
+    def _lookup(self, seq: Sequence) -> list[Reuse]:
+        """Chunks of seq after its prefix hit that the index holds, held until released."""
+        reuses = []
+        for start, n in self._spans_ending_after(seq, seq.num_computed):
+            hit = self.index.lookup(seq.prompt_ids[start:start + n], seq.namespace)
+            skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
+            if hit is not None and hit.num_tokens > skip:
+                self.index.hold(hit)
+                reuses.append(Reuse(start, hit, skip))
+        return reuses
+
+    def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long)
+
+    @staticmethod
+    def _is_first_chunk(seq: Sequence, start: int) -> bool:
+        """Only the prompt's framing comes before the chunk at `start`: its KV there is its alone form."""
+        return bool(seq.cache.chunk_spans) and seq.cache.chunk_spans[0][0] == start
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor,
+              shift: KeyShift | None = None) -> None:
+        # re-RoPE and shift in one pass: an 8-bit pool then rounds the moved keys once
+        self.pool.copy_slots(src, dst)
+        self.pool.rerope(dst, old_pos, new_pos, self.inv_freq, shift)
+
+    def _copy_in(self, seq: Sequence, reuses: list[Reuse]) -> None:
+        for r in reuses:
+            n = r.hit.num_tokens
+            src = self._slots(r.hit.block_ids, range(r.skip, n))
+            dst = self._slots(seq.block_table, range(r.start + r.skip, r.start + n))
+            pos = torch.arange(r.skip, n)
+            # a chunk cached alone needs the shift only where other text now precedes it
+            shifted = self.key_shift is not None and r.hit.alone and not self._is_first_chunk(seq, r.start)
+            self._move(src, dst, pos, pos + r.start, self.key_shift if shifted else None)
+
+    # ---- run -------------------------------------------------------------------------------
+    def blending(self, seq: Sequence) -> bool:
+        return seq.request_id in self.jobs
+
+    def needs_probe(self, seq: Sequence) -> bool:
+        job = self.jobs.get(seq.request_id)
+        return (job is not None and not job.probed and bool(self.settings.query_weight)
+                and bool(job.reused.any()) and self.settings.schedule(job.ratio).ratios[0] > 0)
+
+    def probe(self, seq: Sequence) -> tuple[list[int], "QuestionProbe"]:
+        """The question probe of seq's job: (positions of the prompt's tail after its last reused token, the
+        observer to run them through the model with). Its result lands in the job when the pass is done."""
+        job = self.jobs[seq.request_id]
+        job.probed = True
+        tail = list(range(int(job.reused.nonzero()[-1]) + 1, seq.num_tokens))
+        job.probe = torch.zeros(seq.num_tokens, dtype=torch.float32)
+        return tail, QuestionProbe(self.pool, torch.tensor(seq.block_table), seq.num_tokens, torch.tensor(tail),
+                                   self.attention_scale, self.num_layers, job.probe)
+
+    def selection(self, seq: Sequence, start: int, num_tokens: int) -> "SliceSelection":
+        """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
+        job = self.jobs[seq.request_id]
+        end = start + num_tokens
+        return SliceSelection(self.pool, self.settings, job, start, end, final=end == seq.num_tokens)
+
+    def slice_done(self, seq: Sequence, selection: "SliceSelection") -> None:
+        """After the step's forward: count what selection did. Anything not recomputed makes seq's KV
+        approximate, so from now on it is filed under its approximate namespace."""
+        job = self.jobs[seq.request_id]
+        job.recomputed += selection.recomputed
+        job.blended += selection.num_reused - selection.recomputed
+        if job.blended:
+            self.blocks.make_approximate(seq)
+
+    # ---- finish ----------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> BlendJob | None:
+        """seq's prompt is computed, or seq leaves (finish, abort, preemption): close its job."""
+        return self.jobs.pop(seq.request_id, None)
+
+    def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:
+        """File seq's reusable chunks whose KV is exact and not yet indexed (called once its prompt is
+        computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
+        stored = present = 0
+        for start, n in self._spans_ending_after(seq, 0):
+            alone = self._is_first_chunk(seq, start)
+            if start in skip or start + n > seq.num_computed:
+                continue
+            tokens = seq.prompt_ids[start:start + n]
+            # an alone copy serves every lookup (it is preferred); an in-context one only where none exists
+            if self.index.contains(tokens, seq.namespace, True if alone else None):
+                present += n
+                continue
+            src = self._slots(seq.block_table, range(start, start + n))
+            pos = torch.arange(n)
+
+            def fill(blocks: list[int]) -> None:
+                self.pool.clear_blocks(blocks)  # fresh blocks: the padding after the chunk must hold nothing
+                self._move(src, self._slots(blocks, range(n)), pos + start, pos)
+
+            if not self.index.store(tokens, fill, seq.namespace, alone):
+                log.debug("no room to register a %d-token chunk", n)
+                break
+            self.registered_chunks += 1
+            stored += n
+        return stored, present
+
+
+class SliceSelection:
+    """Which of one blended slice's tokens each layer computes (the slice's tokens are prompt positions
+    start .. end - 1). Tokens not reused always go on; reused ones go on until a check layer, where the
+    deviation of their stale from their fresh K/V keeps the top share of them."""
+
+    def __init__(self, pool: KVPool, settings: BlendSettings, job: BlendJob, start: int, end: int, final: bool):
+        self.pool = pool
+        self.settings = settings
+        self.reused = job.reused[start:end].clone()
+        if final:
+            self.reused[-1] = False  # the last token gives the logits
+        self.num_reused = int(self.reused.sum())
+        self.schedule = settings.schedule(job.ratio)
+        self.always = None if job.always is None else job.always[start:end]
+        self.probe = None if job.probe is None else job.probe[start:end]
+        # Nothing will be selected: the reused tokens skip every layer (plain KV reuse).
+        skip_reused = self.num_reused and self.schedule.ratios[0] == 0.0 and self.always is None
+        self.input_rows = (~self.reused).nonzero(as_tuple=True)[0] if skip_reused else None
+        self.recomputed = 0 if skip_reused else self.num_reused
+
+    def checks(self, layer: int) -> bool:
+        return self.num_reused > 0 and self.schedule.is_check_layer(layer)
+
+    def choose(self, layer: int, local: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor | None:
+        """At a check layer: `local` are the indices into this slice's input rows of the rows still computed
+        (ascending), k/v their fresh K/V and slots where the stale one lies. Returns which of those rows go
+        on (indices into `local`), or None for all."""
+        local = local if self.input_rows is None else self.input_rows[local]  # -> positions in the slice
+        cand = self.reused[local].nonzero(as_tuple=True)[0]
+        if not cand.numel():
+            return None
+        cand_dev = cand.to(k.device)
+        old_k, old_v = self.pool.read(layer, slots[cand_dev])
+        dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
+        if self.probe is not None:
+            dev = combine_scores(dev, self.probe[local[cand]], self.settings.query_weight)
+        keep = self.schedule.selection_count(layer, self.num_reused)
+        cand_always = None if self.always is None else self.always[local[cand]]
+        chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
+        rows = torch.cat([(~self.reused[local]).nonzero(as_tuple=True)[0], chosen]).sort().values
+        self.recomputed = int(self.reused[local[rows]].sum())
+        return rows
+
+
+class QuestionProbe(RowSelection):
+    """A forward of the prompt's tail (the question) over the reused KV as it stands, which adds the
+    attention mass it pays each prompt position, summed over layers, to `mass`. The tail's K/V it writes is
+    rewritten by the blended pass."""
+
+    def __init__(self, pool: KVPool, block_table: torch.Tensor, context: int, tail: torch.Tensor, scale: float,
+                 num_layers: int, mass: torch.Tensor):
+        self.pool = pool
+        self.table = block_table
+        self.context = context
+        self.tail = tail
+        self.scale = scale
+        self.last_layer = num_layers - 1
+        self.mass = mass
+        self.key_positions = torch.arange(context)
+
+    def rows(self, layer, q, k, v, meta):
+        keys = self.pool.gather(layer, self.table, self.context)[0].clone()
+        keys[self.tail.to(keys.device)] = k.to(keys.dtype)  # the tail sees its own fresh keys
+        self.mass += query_attention(q, keys, self.tail, self.key_positions, self.scale).cpu()
+        # nothing reads the last layer's output
+        return torch.empty(0, dtype=torch.long) if layer == self.last_layer else None

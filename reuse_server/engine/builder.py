@@ -1,0 +1,152 @@
+"""Building an engine: validate the config once, load the model, and make and wire the parts. The engine
+receives the finished parts (EngineParts) and only runs them.
+
+Order matters in three places: the fingerprint digests the weights as loaded, before they are packed for the
+CPU kernels (packing drops the dense copies); the pool is sized from the model's shapes; the key shift is
+calibrated (once per model, then read from disk) through the model's own forward."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from blend.chunk_index import ChunkIndex
+from radix import RadixCache
+
+from reuse_server.kv.block_manager import BlockManager
+from reuse_server.engine.blender import Blender, BlendSettings
+from reuse_server.engine.config import EngineConfig, resolve_dtype
+from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
+from reuse_server.kv import quant as kv_quant
+from reuse_server.engine.key_shift_calibration import load_or_calibrate
+from reuse_server.kv.pool import KVPool
+from reuse_server.model.config import ModelConfig
+from reuse_server.model.bundled import is_bundled
+from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
+from reuse_server.model.weight_dtype import choose as choose_weight_dtype
+from reuse_server.engine.runner import ModelRunner
+from reuse_server.engine.sampler import Sampler
+from reuse_server.engine.scheduler import Scheduler
+from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object
+    model_id: str  # the served name
+    weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
+    fingerprint: ModelFingerprint
+    attention_kernel: bool  # the CPU attention kernel serves this model
+    max_model_len: int
+    pool: KVPool
+    cache: RadixCache
+    blocks: BlockManager
+    chunk_index: ChunkIndex
+    blender: Blender
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    tiers: KVTiers | None
+
+
+def build_engine(config: EngineConfig):
+    """A ready LLMEngine for `config` (ValueError for bad settings, ModelLoadError for a bad model)."""
+    from reuse_server.engine.engine import LLMEngine
+
+    return LLMEngine(build_parts(config))
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    config.validate()
+    dtype = resolve_dtype(config.dtype, config.device)
+    weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model), config.device, dtype)
+    log.info("weights in %s (%s)", weight_dtype, why)
+    path = resolve_model(config.model, weight_dtype)
+    model, mc = load_model(path, dtype=dtype, device=config.device, weight_dtype=weight_dtype)
+    tokenizer = load_tokenizer(path)
+    bs = config.block_size
+    kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
+    identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo)
+    model.pack_for_cpu(config.cpu_matmul)
+    # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
+    on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
+    attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel()
+
+    if config.num_gpu_blocks:
+        num_blocks = config.num_gpu_blocks
+    else:
+        num_blocks = config.kv_cache_memory // KVPool.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads,
+                                                                       mc.head_dim, kv_dtype)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
+    pool = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device,
+                read_dtype=dtype)
+    tiers = build_tiers(config, pool, identity)
+    cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
+                       policy=config.eviction_policy, listener=tiers)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers)
+    chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens,
+                             pull=tiers.pull if tiers is not None else None)
+    settings = BlendSettings(
+        recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
+        gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
+        first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
+        query_weight=config.blend_query_weight)
+    key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
+    blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, model.rotary.inv_freq, mc.head_dim ** -0.5,
+                      key_shift)
+    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, blender, config.enable_blend,
+                          config.dedup_prefill)
+    parts = EngineParts(
+        config=config, model=model, model_config=mc, tokenizer=tokenizer,
+        model_id=config.served_model_name or default_model_id(config.model), weight_dtype=weight_dtype,
+        fingerprint=identity,
+        attention_kernel=attention_kernel,
+        max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
+        pool=pool, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
+        runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers)
+    log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
+             identity.short, num_blocks, bs, kv_quant.spec(pool.dtype).name, pool.bytes_per_token, pool.nbytes / 2**20)
+    _return_freed_memory()
+    return parts
+
+
+def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) -> KVTiers | None:
+    """The tiers the config asks for below the pool (None: none)."""
+    if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
+        return None
+    tier_dtype = None if config.tier_kv_dtype == "auto" else kv_quant.storage_dtype(config.tier_kv_dtype)
+    layout = pool.layout_for(tier_dtype)
+    # A copy in another dtype than the pool's is another block: its files and keys live apart
+    name = identity.identity.hex() + ("" if tier_dtype is None else "-" + kv_quant.spec(tier_dtype).name)
+    ctx = BlobContext(fingerprint=name, block_size=pool.block_size, hash_algo=identity.hash_algo,
+                      layout=layout.describe(), kv_bytes=layout.nbytes)
+    host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
+    disk = DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx) if config.disk_cache_dir else None
+    remote = RedisTier(config.redis_url, ctx, timeout=config.redis_timeout) if config.redis_url else None
+    log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
+    return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype)
+
+
+def default_model_id(model: str | None) -> str:
+    if is_bundled(model):
+        return "SmolLM2-135M-Instruct"
+    name = Path(model.rstrip("/")).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _return_freed_memory() -> None:
+    """Give the heap memory that loading freed (dense weights copied into packed layouts, conversion and
+    calibration temporaries) back to the system: glibc keeps freed chunks below its mmap threshold mapped,
+    where they would count as resident memory after start."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass

@@ -1,0 +1,113 @@
+"""Engine settings, one place; the CLI fills it from flags and `validate` checks them once, before anything
+is loaded. Torch-free, so that the CLI's tools that need no model (kv-calc) start fast."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reuse_server.kv import layout as kv_layout  # torch-free
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+CPU_MATMULS = ("native", "onednn", "torch")
+CPU_ATTENTIONS = ("native", "torch")
+
+
+def resolve_dtype(name: str, device: str):
+    """The torch dtype for a --dtype name; 'auto' is fp32 on the CPU and bf16 on CUDA."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return getattr(torch, DTYPES[name])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # bundled name, a .gguf file, or an HF checkpoint folder; None: the bundled SmolLM2
+    served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+    # the matrices' storage, independent of the compute dtype: fp32 (as --dtype), bf16, int8, int4 (group-wise
+    # scales; the output head in at least int8), or auto: the narrowest within measured quality bounds
+    # (model/weight_dtype.py)
+    weight_dtype: str = "auto"
+    # the KV pool's storage (kv_layout.KV_DTYPES: fp32, fp16, bf16, fp8_e4m3, int8); auto: the weights' dtype
+    kv_dtype: str = "auto"
+    # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
+    # torch (F.linear)
+    cpu_matmul: str = "native"
+    cpu_attention: str = "native"  # native: the paged attention kernel (model/cpu_attention.cpp); torch: SDPA
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    max_num_seqs: int = 16  # running sequences at once
+    max_num_batched_tokens: int = 2048  # token budget per scheduler step (chunked prefill)
+    max_model_len: int | None = None  # default: the model's max positions
+    enable_prefix_cache: bool = True
+    dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
+    hash_algo: str = "xxh3_128"
+    eviction_policy: str = "lru"
+    # KV tiers below the device pool (all off by default)
+    cpu_cache_size: int = 0  # bytes of host RAM for blocks evicted from the pool
+    disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
+    disk_cache_size: int = 10 * 1000**3  # bytes of disk for them
+    disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
+    redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
+    redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss
+    tier_kv_dtype: str = "auto"  # what host/disk/Redis copies are stored in (kv_layout.KV_DTYPES); auto: the pool's
+    # non-prefix reuse (blending)
+    enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
+    blend_recompute_ratio: float = 0.15
+    blend_check_layers: tuple[int, ...] = (1,)
+    blend_gradual_factors: tuple[float, ...] = (1.0,)
+    blend_score: str = "kv"  # K+V deviation: best of k, v, kv on the needle benchmark (BENCHMARKS.md)
+    blend_first_tokens: int = 0
+    blend_query_weight: float = 0.0
+    blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
+    blend_min_tokens: int = 32
+    blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string
+
+    def validate(self) -> None:
+        """Raise ValueError naming every setting that cannot work (the model-dependent checks, such as the
+        check layers against the model's depth, happen once the model's config is read)."""
+        from radix import HASH_ALGOS, POLICIES, check_block_size  # the cache index owns its rules
+
+        problems = []
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            problems.append(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+        try:
+            kv_layout.kv_dtype(self.kv_dtype)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.cpu_matmul not in CPU_MATMULS:
+            problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
+        if self.cpu_attention not in CPU_ATTENTIONS:
+            problems.append(f"unknown cpu_attention {self.cpu_attention!r}; choose {', '.join(CPU_ATTENTIONS)}")
+        try:
+            check_block_size(self.block_size)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.hash_algo not in HASH_ALGOS:
+            problems.append(f"unknown hash {self.hash_algo!r}; choose {', '.join(HASH_ALGOS)}")
+        if self.eviction_policy not in POLICIES:
+            problems.append(f"unknown eviction policy {self.eviction_policy!r}; choose {', '.join(POLICIES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            problems.append(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            problems.append(f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}")
+        if len(self.blend_gradual_factors) != len(self.blend_check_layers):
+            problems.append(f"blend_gradual_factors has {len(self.blend_gradual_factors)} values but "
+                            f"blend_check_layers has {len(self.blend_check_layers)} layers")
+        if self.disk_write_policy not in ("through", "back"):
+            problems.append(f"unknown disk write policy {self.disk_write_policy!r}; choose through or back")
+        if self.cpu_cache_size < 0 or self.disk_cache_size < 1 or self.redis_timeout <= 0:
+            problems.append("tier sizes and the Redis timeout must be positive")
+        if self.blend_score not in ("k", "v", "kv"):
+            problems.append(f"unknown blend_score {self.blend_score!r}; choose k, v or kv")
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -1,0 +1,115 @@
+"""Run one scheduled step through the model: flatten its slices (prefill slices, decode tokens, blended
+prefill slices alike) into one forward, write their KV, return the logits of the rows that are sampled."""
+from __future__ import annotations
+
+import torch
+
+from reuse_server.kv.pool import KVPool
+from reuse_server.model.attention import AttentionMetadata
+from reuse_server.model.llama import RowSelection
+from reuse_server.engine.scheduler import StepSlice
+
+
+class StepRows(RowSelection):
+    """The rows of a step's forward: every token of every slice, except that a blended slice's selection
+    drops reused rows at its check layers, and the last layer goes on only for the rows whose logits are
+    sampled. `active` maps the current rows back to the step's input rows."""
+
+    def __init__(self, bounds: list[tuple[int, int]], selections: dict[int, object], output_rows: torch.Tensor,
+                 num_layers: int):
+        self.bounds = bounds  # per slice: its input rows lo..hi
+        self.selections = selections  # slice index -> blending.SliceSelection
+        self.output_rows = output_rows  # input rows whose logits are wanted
+        self.last_layer = num_layers - 1
+        self.active = torch.arange(bounds[-1][1] if bounds else 0)
+
+    def rows(self, layer, q, k, v, meta):
+        keep = None
+        checking = [(i, sel) for i, sel in self.selections.items() if sel.checks(layer)]
+        if checking:
+            pieces, changed = [], False
+            for i, (lo, hi) in enumerate(self.bounds):
+                first, end = torch.searchsorted(self.active, torch.tensor([lo, hi])).tolist()
+                rows = torch.arange(first, end)
+                sel = self.selections.get(i)
+                if sel is not None and sel.checks(layer) and end > first:
+                    local = self.active[first:end] - lo
+                    chosen = sel.choose(layer, local, k[first:end], v[first:end], meta.slot_mapping[first:end])
+                    if chosen is not None:
+                        rows, changed = rows[chosen], True
+                pieces.append(rows)
+            if changed:
+                keep = torch.cat(pieces)
+        if layer == self.last_layer:
+            current = self.active if keep is None else self.active[keep]
+            wanted = torch.isin(current, self.output_rows).nonzero(as_tuple=True)[0]
+            keep = wanted if keep is None else keep[wanted]
+        if keep is not None:
+            self.active = self.active[keep]
+            keep = keep.to(q.device)
+        return keep
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, device: str = "cpu") -> None:
+        self.model = model
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.device = torch.device(device)
+        self.num_layers = len(model.layers)
+
+    def _inputs(self, spans: list[tuple[list[int], list[int], list[int], int]]):
+        """spans: per sequence (its token ids, their positions, its block table, its context length)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        tables: list[torch.Tensor] = []
+        context_lens: list[int] = []
+        for token_ids, token_positions, table, context in spans:
+            ids.extend(token_ids)
+            positions.extend(token_positions)
+            slots.extend(table[p // bs] * bs + p % bs for p in token_positions)
+            query_start.append(len(ids))
+            tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            context_lens.append(context)
+        dev = self.device
+        meta = AttentionMetadata(query_start=query_start, block_tables=tables, context_lens=context_lens,
+                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+
+    @torch.inference_mode()
+    def run(self, slices: list[StepSlice], want_logits: list[bool],
+            selections: dict[int, object] | None = None) -> torch.Tensor | None:
+        """Compute the slices' KV; return logits [k, vocab] for the slices flagged in want_logits (in order).
+        selections: slice index -> the blending.SliceSelection of a blended slice."""
+        selections = selections or {}
+        spans, bounds, output_rows = [], [], []
+        for i, (piece, want) in enumerate(zip(slices, want_logits)):
+            seq = piece.seq
+            start, end = seq.num_computed, seq.num_computed + piece.num_tokens
+            picked = range(start, end)
+            sel = selections.get(i)
+            if sel is not None and sel.input_rows is not None:
+                picked = [start + int(r) for r in sel.input_rows]
+            token_ids = seq.token_ids
+            spans.append(([token_ids[p] for p in picked], list(picked), seq.block_table, end))
+            lo = bounds[-1][1] if bounds else 0
+            bounds.append((lo, lo + len(picked)))
+            if want:
+                output_rows.append(lo + len(picked) - 1)
+        input_ids, positions, meta = self._inputs(spans)
+        select = StepRows(bounds, selections, torch.tensor(output_rows, dtype=torch.long), self.num_layers)
+        hidden = self.model(input_ids, positions, meta, self.pool, select)
+        return self.model.compute_logits(hidden) if output_rows else None
+
+    @torch.inference_mode()
+    def observe(self, seq, positions: list[int], observer: RowSelection) -> None:
+        """Run seq's tokens at `positions` through every layer with an observing selection (blending's question
+        probe); their K/V is written and later rewritten."""
+        token_ids = seq.token_ids
+        input_ids, pos, meta = self._inputs([([token_ids[p] for p in positions], positions, seq.block_table,
+                                              seq.num_tokens)])
+        self.model(input_ids, pos, meta, self.pool, observer)

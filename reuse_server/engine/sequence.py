@@ -1,0 +1,111 @@
+"""One request inside the engine, in parts that each have one writer:
+- the request itself (id, prompt, sampling and cache options, arrival): fixed when it arrives;
+- `output_ids` and `finish_reason`: the engine (LLMEngine) appends tokens and ends it;
+- `kv` (KVState): the block manager alone: its blocks, how far its KV is computed, what it handed the tree;
+- `queue` (QueueState): the scheduler alone: waiting or running, times passed over, preemptions;
+- `usage` (Usage): the engine alone: what the client is told about reuse.
+A blended prefill's state belongs to the blender (blending.BlendJob), not to the sequence."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class KVState:
+    """Written by the BlockManager only. block_table[i] holds positions i*bs .. (i+1)*bs-1. Blocks in `owned`
+    are the sequence's alone (allocated, not in the tree); the others belong to the radix tree and stay alive
+    through `node`'s lock."""
+
+    block_table: list[int] = field(default_factory=list)
+    owned: set[int] = field(default_factory=set)
+    node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
+    num_computed: int = 0  # tokens whose KV is in the pool, from position 0 without a gap
+    filled: set[int] = field(default_factory=set)  # later block indices already loaded from a tier (after a hole)
+    num_published: int = 0  # leading full blocks handed to the radix tree
+    approximate: bool = False  # KV derived from blending: filed under `approximate_namespace`
+    approximate_namespace: bytes = b""  # where this sequence's blended KV is filed (one per blending setting)
+    unpublishable: bool = False  # approximate KV that could not be moved out of the exact namespace
+    prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks (exact namespace)
+
+
+@dataclass
+class QueueState:
+    """Written by the Scheduler only."""
+
+    status: SeqStatus = SeqStatus.WAITING
+    skipped: int = 0  # times passed over by cache-aware ordering (starvation guard)
+    preemptions: int = 0
+
+
+@dataclass
+class Usage:
+    """Written by the engine only. Counted at the first admission: a preempted request's recompute is our
+    cost, not the client's hit."""
+
+    cached_tokens: int | None = None  # prompt tokens not computed from scratch (prefix hits + blended)
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, loaded from each tier below the pool
+    blended_tokens: int = 0  # reused from the chunk index and not recomputed
+    recomputed_tokens: int = 0  # reused from the chunk index but recomputed by selection
+    counted: bool = False  # added to the engine's counters
+    first_token_time: float | None = None
+    chunk_tokens_stored: int = 0  # chunks this request filed in the chunk index
+    chunk_tokens_present: int = 0  # chunks it would have filed that were there already
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    kv: KVState = field(default_factory=KVState)
+    queue: QueueState = field(default_factory=QueueState)
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return self.kv.num_computed
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.kv.block_table
+
+    @property
+    def status(self) -> SeqStatus:
+        return self.queue.status
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.kv.num_computed < self.num_tokens - 1
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        return self.cache.prefix_cache
+
+    @property
+    def namespace(self) -> bytes:
+        """What keeps this request's cached KV apart from other requests' (see CacheOptions.namespace)."""
+        return self.cache.namespace

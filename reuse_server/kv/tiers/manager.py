@@ -1,0 +1,223 @@
+"""The tiers below the device pool, as the engine sees them: where evicted blocks go, where new blocks are
+written, and where a prompt's missing blocks are looked for (host RAM, then disk, then Redis, by block hash).
+
+- It listens to the radix cache (radix.events): a block evicted from the device pool is copied out to host
+  RAM (or, without one and with write-back, to disk) while its KV is still intact; every new full block is
+  written through to disk (unless `write_policy` is "back": then only what host RAM evicts) and to Redis.
+- `pull` loads the blocks that continue a prompt's cached chain into the device pool and files them in the
+  radix tree (prefetch, the chunk index, and every admission: the engine then matches them like any block).
+- `fetch` finds blocks anywhere after a hole (a block in no tier): the engine loads them into the
+  sequence's own blocks and recomputes only the hole; their KV depends only on the tokens before them.
+- Every block found is checked against what was asked (hash, parent hash, tokens) before it is used, and
+  is fetched only where that is measured to be cheaper than recomputing it (tiers/costs.py)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+from radix import BlockRecord, OutOfBlocks, RadixCache, as_token_array
+
+from reuse_server.kv.pool import KVPool
+from reuse_server.kv.tiers.blob import BlockEntry
+from reuse_server.kv.tiers.costs import FetchCosts
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("through", "back")
+
+
+class Wanted(NamedTuple):
+    index: int  # the block's position in its prompt (block i holds tokens i*bs .. (i+1)*bs - 1)
+    hash: bytes
+    parent_hash: bytes
+    tokens: bytes  # little-endian int32
+
+
+class Found(NamedTuple):
+    tier: str
+    entry: BlockEntry
+
+
+class KVTiers:
+    def __init__(self, pool: KVPool, host=None, disk=None, remote=None, write_policy: str = "through",
+                 dtype: torch.dtype | None = None):
+        """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
+        and back."""
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r}; choose {', '.join(WRITE_POLICIES)}")
+        self.pool = pool
+        self.host, self.disk, self.remote = host, disk, remote
+        self.levels = [t for t in (host, disk, remote) if t is not None]
+        self.write_policy = write_policy
+        self.dtype = dtype
+        self.layout = pool.layout_for(dtype)
+        self.costs = FetchCosts(pool.block_size)
+        if host is not None and disk is not None and write_policy == "back":
+            host.on_evict = disk.put  # what leaves RAM goes to disk
+
+    # ---- the radix cache's listener --------------------------------------------------------
+    def stored(self, records: list[BlockRecord]) -> None:
+        targets = [t for t in (self.disk if self.write_policy == "through" else None, self.remote) if t is not None]
+        if targets:
+            self._copy_out([r for r in records if r.named], targets)
+
+    def removed(self, records: list[BlockRecord]) -> None:
+        target = self.host or (self.disk if self.write_policy == "back" else None)
+        if target is not None:
+            self._copy_out([r for r in records if r.named], [target])
+
+    def _copy_out(self, records: list[BlockRecord], targets: list) -> None:
+        """Copy the blocks' KV out of the pool now (their ids may be handed out right after) and give it to
+        the tiers that lack it. From a CUDA pool the copy into host memory goes on while the engine runs its
+        next step; whoever reads the bytes waits for it (BlockEntry.payload)."""
+        records = [r for r in records if any(t.contains(r.hash) is not True for t in targets)]
+        if not records:
+            return
+        kv, copied = self.pool.export_blocks_async([r.block_id for r in records], self.dtype)
+        entries = [BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i], copied)
+                   for i, r in enumerate(records)]
+        for tier in targets:
+            tier.put(entries)
+
+    # ---- finding blocks --------------------------------------------------------------------
+    def fetch(self, wanted: list[Wanted], contiguous: bool) -> dict[int, Found]:
+        """Verified blocks for `wanted` (in chain order), by index. contiguous: only an unbroken run from the
+        first wanted block is any use."""
+        found: dict[int, Found] = {}
+        missing = list(wanted)
+        for tier in self.levels:
+            if not missing:
+                break
+            ask = [w for w in missing if tier.contains(w.hash) is not False]
+            if contiguous:
+                ask = self._leading_run(ask, missing)
+            if not ask:
+                continue
+            tier.stats.queries += len(ask)
+            if not self.costs.worth_fetching(tier.name):
+                tier.stats.declined += len(ask)
+                continue
+            start = time.perf_counter()
+            got = tier.get([w.hash for w in ask])
+            seconds = time.perf_counter() - start
+            tier.stats.read_seconds += seconds
+            self.costs.observe_read(tier.name, len(got), seconds)
+            for w in ask:
+                entry = got.get(w.hash)
+                if entry is None:
+                    continue
+                if entry.tokens != w.tokens or entry.parent_hash != w.parent_hash:
+                    log.warning("%s tier: block %s holds other tokens; dropped", tier.name, w.hash.hex())
+                    tier.stats.corrupt += 1
+                    tier.discard(w.hash)
+                    continue
+                tier.stats.hits += 1
+                found[w.index] = Found(tier.name, entry)
+            missing = [w for w in missing if w.index not in found]
+        if contiguous:
+            run = {}
+            for w in wanted:
+                if w.index not in found:
+                    break
+                run[w.index] = found[w.index]
+            found = run
+        return found
+
+    @staticmethod
+    def _leading_run(ask: list[Wanted], missing: list[Wanted]) -> list[Wanted]:
+        """The asked blocks that could still extend an unbroken run: those before the first missing block
+        this tier does not hold."""
+        asked = {w.index for w in ask}
+        out = []
+        for w in missing:
+            if w.index not in asked:
+                break
+            out.append(w)
+        return out
+
+    def wanted(self, hasher, tokens: list[int], hashes: list[bytes], namespace: bytes, first: int) -> list[Wanted]:
+        """What to ask for blocks first .. len(hashes) - 1 of a prompt whose block hashes are `hashes`."""
+        bs = self.pool.block_size
+        data = as_token_array(tokens[:len(hashes) * bs]).tobytes()
+        root = hasher.root(namespace)
+        return [Wanted(i, hashes[i], hashes[i - 1] if i else root, data[i * bs * 4:(i + 1) * bs * 4])
+                for i in range(first, len(hashes))]
+
+    def load(self, blocks: list[int], found: list[Found]) -> None:
+        """Write found blocks' KV into pool blocks (the caller owns them). The copy's time is part of each
+        tier's read time (by its share of the bytes): for host RAM it is most of it."""
+        if not blocks:
+            return
+        start = time.perf_counter()
+        self.pool.import_blocks(blocks, torch.stack([f.entry.payload() for f in found]), self.layout)
+        seconds = time.perf_counter() - start
+        for tier in self.levels:
+            share = sum(f.tier == tier.name for f in found) / len(found)
+            tier.stats.read_seconds += seconds * share
+
+    def pull(self, cache: RadixCache, tokens: list[int], namespace: bytes) -> dict[str, int]:
+        """Load the blocks that continue the device's cached chain of `tokens` (full blocks only) from the
+        tiers into the pool and file them in the radix tree. Returns the tokens pulled per tier."""
+        bs = self.pool.block_size
+        n_full = len(tokens) // bs
+        match = cache.match(tokens, namespace, record_stats=False)
+        have = len(match.block_ids)
+        if have >= n_full:
+            return {}
+        hashes = cache.hasher.hash_blocks(tokens, namespace)
+        found = self.fetch(self.wanted(cache.hasher, tokens, hashes, namespace, have), contiguous=True)
+        if not found:
+            return {}
+        cache.lock(match.node)  # allocating must not evict the chain the pulled blocks continue
+        try:
+            try:
+                blocks = cache.allocate(len(found))
+            except OutOfBlocks:
+                return {}
+            ordered = [found[i] for i in range(have, have + len(found))]
+            self.load(blocks, ordered)
+            result = cache.insert(tokens[:(have + len(found)) * bs], list(match.block_ids) + blocks, namespace)
+            if result.duplicate_block_ids:
+                cache.free(result.duplicate_block_ids)
+        finally:
+            cache.unlock(match.node)
+        pulled: dict[str, int] = {}
+        for f in ordered:
+            pulled[f.tier] = pulled.get(f.tier, 0) + bs
+        return pulled
+
+    # ---- shared writes -----------------------------------------------------------------------
+    def shared_write_mark(self) -> int | None:
+        """Where the shared tier's (Redis's) writer stands now: every block the pool has published so far has
+        been handed to it. None without a shared tier."""
+        return self.remote.writer.mark() if self.remote is not None else None
+
+    def shared_writes_settled(self, mark: int, timeout: float = 0.0) -> bool:
+        """Whether the blocks handed to the shared tier before `mark` are written (or dropped), waiting up to
+        `timeout` seconds: another server can then find them."""
+        return self.remote.writer.settled(mark, timeout)
+
+    # ---- lifecycle and figures -------------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.costs.observe_prefill(tokens, seconds)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Write what is queued (up to `timeout` seconds in all), then stop the writers."""
+        deadline = time.monotonic() + timeout
+        done = True
+        for tier in self.levels:
+            done = tier.close(max(0.0, deadline - time.monotonic())) is not False and done
+        return done
+
+    def snapshot(self) -> dict:
+        out = {}
+        for tier in self.levels:
+            stats = tier.stats.as_dict()
+            stats["blocks"] = getattr(tier, "num_blocks", None)
+            stats["bytes"] = getattr(tier, "used_bytes", None)
+            writer = getattr(tier, "writer", None)
+            stats["write_queue_bytes"] = writer.queued_bytes if writer is not None else 0
+            out[tier.name] = stats
+        return out

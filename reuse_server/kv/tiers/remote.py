@@ -1,0 +1,153 @@
+"""L3: blocks in Redis (or Valkey), shared by every server on the same model: what one computed, the others
+reuse. One key per block, `kvreuse:<fingerprint prefix>[-<tier dtype>]:<block hash>`, its value a self-describing blob
+(tiers/blob.py), so a value from another model or a damaged one is never served.
+
+Writes are batched into pipelines by a background writer; reads of a prompt's blocks are one MGET. The
+client has short timeouts: if Redis is down or slow, requests go on without it (misses, counted), the outage
+is logged once, and calls are retried after a growing pause until it answers again. Run Redis without
+persistence and with an LRU memory bound: `--save '' --appendonly no --maxmemory 4gb --maxmemory-policy
+allkeys-lru`."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
+from reuse_server.kv.tiers.stats import TierStats
+from reuse_server.kv.tiers.writer import BackgroundWriter
+
+log = logging.getLogger(__name__)
+
+KNOWN_LIMIT = 200_000  # hashes remembered as stored, so that blocks read from Redis are not written back
+MAX_PAUSE = 30.0
+MGET_BATCH = 32
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(self, url: str, ctx: BlobContext, timeout: float = 0.25, max_queue_bytes: int = 256 << 20):
+        self.ctx = ctx
+        self.url = url
+        self.stats = TierStats()
+        self.prefix = f"kvreuse:{ctx.name}:".encode()
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
+            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._pause = 0.5
+        self.writer = BackgroundWriter("redis", self._write_batch, self.stats, max_queue_bytes)
+
+    def key(self, block_hash: bytes) -> bytes:
+        return self.prefix + block_hash.hex().encode()
+
+    @property
+    def available(self) -> bool:
+        return self._down_since is None or time.monotonic() >= self._retry_at
+
+    def _failed(self, exc: Exception) -> None:
+        self.stats.errors += 1
+        with self._lock:
+            now = time.monotonic()
+            if self._down_since is None:
+                self._down_since = now
+                log.warning("Redis at %s unavailable (%s): going on without it", self.url, exc)
+            else:
+                self._pause = min(MAX_PAUSE, self._pause * 2)
+            self._retry_at = now + self._pause
+
+    def _answered(self) -> None:
+        if self._down_since is not None:
+            with self._lock:
+                if self._down_since is not None:
+                    log.warning("Redis at %s is back after %.1f s", self.url, time.monotonic() - self._down_since)
+                    self._down_since, self._pause = None, 0.5
+
+    def _remember(self, hashes) -> None:
+        with self._lock:
+            for h in hashes:
+                self._known[h] = None
+                self._known.move_to_end(h)
+            while len(self._known) > KNOWN_LIMIT:
+                self._known.popitem(last=False)
+
+    def contains(self, block_hash: bytes) -> bool | None:
+        """None: unknown without asking Redis (get asks)."""
+        return True if block_hash in self._known else None
+
+    def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
+        """The blocks Redis holds among `hashes`, read MGET_BATCH at a time (a long prompt's blocks are
+        hundreds of megabytes: batches bound the memory a read holds)."""
+        found: dict[bytes, BlockEntry] = {}
+        for i in range(0, len(hashes), MGET_BATCH):
+            if not self.available:
+                break
+            batch = hashes[i:i + MGET_BATCH]
+            try:
+                values = self.client.mget([self.key(h) for h in batch])
+            except redis.RedisError as exc:
+                self._failed(exc)
+                break
+            self._answered()
+            bad = []
+            for h, value in zip(batch, values):
+                if value is None:
+                    continue
+                self.stats.read_bytes += len(value)
+                try:
+                    found[h] = decode(value, self.ctx, expected_hash=h)
+                except BadBlob as exc:
+                    log.warning("Redis: deleting %s: %s", self.key(h).decode(), exc)
+                    self.stats.corrupt += 1
+                    bad.append(self.key(h))
+            if bad:
+                try:
+                    self.client.delete(*bad)
+                except redis.RedisError as exc:
+                    self._failed(exc)
+        self._remember(found)
+        return found
+
+    def discard(self, block_hash: bytes) -> None:
+        try:
+            self.client.delete(self.key(block_hash))
+        except redis.RedisError as exc:
+            self._failed(exc)
+
+    def put(self, entries: list[BlockEntry]) -> None:
+        self.writer.put([e for e in entries if e.hash not in self._known])
+
+    def _write_batch(self, entries: list[BlockEntry]) -> None:
+        if not self.available:
+            self.stats.dropped_writes += len(entries)
+            return
+        start = time.perf_counter()
+        blobs = [encode(e, self.ctx) for e in entries]
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for entry, blob in zip(entries, blobs):
+                    pipe.set(self.key(entry.hash), blob)
+                pipe.execute()
+        except redis.RedisError as exc:
+            self._failed(exc)
+            self.stats.dropped_writes += len(entries)
+            return
+        self._answered()
+        self.stats.write_seconds += time.perf_counter() - start
+        self.stats.written += len(entries)
+        self.stats.written_bytes += sum(map(len, blobs))
+        self._remember(e.hash for e in entries)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        done = self.writer.close(timeout)
+        self.client.close()
+        return done

@@ -1,0 +1,414 @@
+"""`reuse-server serve`: flags -> EngineConfig -> AsyncEngine -> FastAPI app -> uvicorn (draining on SIGTERM)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import sys
+
+from reuse_server.server.openmp import apply_short_spin  # torch-free
+
+apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.py
+
+from reuse_server.engine.config import EngineConfig  # noqa: E402
+from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '512MiB', '2.5GB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 1GiB, 512MiB, 2GB or plain bytes")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
+
+
+def int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{value} must not be negative" if minimum == 0 else f"{value} must be at least {minimum}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def block_size(text: str) -> int:
+    from radix import check_block_size  # the cache index owns the rule
+
+    try:
+        return check_block_size(positive_int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1..65535)")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def fraction(text: str) -> float:
+    value = _number(text)
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0.0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+DEFAULT_MAX_WAITING = 256
+
+
+def check_layers(text: str) -> tuple[int, ...]:
+    """'1' or '1,4,8': strictly increasing layer indices, each >= 1 (layer 0 has nothing to select on)."""
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer numbers") from None
+    if layers[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: check layers start at 1 (layer 0 cannot select tokens)")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise argparse.ArgumentTypeError(f"{text!r}: check layers must be strictly increasing")
+    return layers
+
+
+def gradual_factors(text: str) -> tuple[float, ...]:
+    """'1' or '3,2,1': multipliers of the recompute ratio at each check layer, non-increasing, ending in 1."""
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if any(not math.isfinite(f) for f in factors) or any(b > a for a, b in zip(factors, factors[1:])):
+        raise argparse.ArgumentTypeError(f"{text!r}: the factors must be finite and non-increasing")
+    if factors[-1] != 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the last factor must be 1 (the ratio itself)")
+    return factors
+
+
+def separator(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the separator must not be empty")
+    return text
+
+
+def _number_list(values) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, or an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+        if shown and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = EngineConfig()
+    parser = argparse.ArgumentParser(prog="reuse-server",
+                                     description="OpenAI-compatible LLM server that reuses KV cache across requests.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve a model over HTTP",
+                                formatter_class=_HelpFormatter,
+                                description="Serve a model over an OpenAI-compatible HTTP API.")
+    serve.add_argument("--model", default="smollm2",
+                       help="the bundled model name 'smollm2', a .gguf file, or a Hugging Face checkpoint folder")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id shown in /v1/models and required in requests (default: derived from --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
+    serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
+    serve.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+                       help="compute dtype, and the weights' with --weight-dtype fp32 and the KV cache's with "
+                            "--kv-dtype auto (auto: float32 on CPU, bfloat16 on CUDA)")
+    serve.add_argument("--weight-dtype", default=defaults.weight_dtype, choices=["auto", "fp32", "bf16", "int8", "int4"],
+                       help="how the weight matrices are held, whatever --dtype computes in: fp32 (as --dtype), bf16, "
+                            "int8 or int4 (scale and minimum per group of 32 inputs; the output head in int8); a "
+                            "GGUF's Q4/Q8 blocks load as they are, other checkpoints are quantized at load. auto: "
+                            "the narrowest whose measured quality against fp32 is within bounds, else the "
+                            "narrowest that holds the checkpoint's weights exactly (logged at start)")
+    serve.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=KV_DTYPE_CHOICES,
+                       help="KV cache storage type, separate from the weights' (auto: the compute dtype). fp16 "
+                            "and bf16 halve the pool's bytes per token; fp8_e4m3 (an fp32 scale per block and KV "
+                            "head) and int8 (an fp32 scale per token and KV head) store about a quarter, so "
+                            "--kv-cache-memory holds that many more tokens; attention dequantizes as it reads")
+    serve.add_argument("--cpu-matmul", default=defaults.cpu_matmul, choices=["native", "onednn", "torch"],
+                       help="on the CPU, run linear layers on weights packed once at start: through the C++ kernel "
+                            "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
+                            "compiler), through oneDNN (onednn; ~2x faster decode than MKL on AMD CPUs), or "
+                            "through torch's F.linear (torch)")
+    serve.add_argument("--cpu-attention", default=defaults.cpu_attention, choices=["native", "torch"],
+                       help="on the CPU in float32, attend through the paged attention kernel, built once with the "
+                            "host's C++ compiler and reading K/V in place (native; torch's attention where it cannot "
+                            "be built), or through torch's scaled_dot_product_attention on gathered K/V (torch)")
+    serve.add_argument("--block-size", type=block_size, default=defaults.block_size,
+                       help="tokens per KV cache block (a power of two, 1..512)")
+    serve.add_argument("--num-gpu-blocks", type=positive_int, default=None,
+                       help="exact number of KV blocks in the pool; overrides --kv-cache-memory (default: sized by it)")
+    serve.add_argument("--kv-cache-memory", type=parse_size, default="1GiB",
+                       help="memory for the KV pool: e.g. 1GiB, 512MiB, or plain bytes (default: 1GiB)")
+    serve.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs,
+                       help="most sequences running at once")
+    serve.add_argument("--max-num-batched-tokens", type=positive_int, default=defaults.max_num_batched_tokens,
+                       help="token budget of one scheduler step (long prompts are prefilled in chunks)")
+    serve.add_argument("--max-model-len", type=positive_int, default=None,
+                       help="context length limit (default: the model's maximum)")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching, for a baseline (default: prefix caching on)")
+    serve.add_argument("--no-prefill-dedup", action="store_true",
+                       help="admit a request whose next uncached block another request is computing at once, "
+                            "computing it twice, for a baseline (default: it waits one step and hits it)")
+    serve.add_argument("--hash", dest="hash_algo", default=defaults.hash_algo, choices=["xxh3_128", "sha256"],
+                       help="hash that names KV blocks by their token prefix")
+    serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
+                       help="which cached blocks to drop first when the pool is full")
+    tiers = serve.add_argument_group(
+        "KV tiers", "Where blocks go when the device pool evicts them, and where a prompt's missing blocks are "
+        "looked for (host RAM, then disk, then Redis). Off unless given.")
+    tiers.add_argument("--cpu-cache-size", type=parse_size, default=0, metavar="SIZE",
+                       help="host RAM for blocks evicted from the device pool, e.g. 4GB (default: off)")
+    tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                       help="keep blocks in files under DIR, surviving restarts (default: off)")
+    tiers.add_argument("--disk-cache-size", type=parse_size, default="10GB", metavar="SIZE",
+                       help="disk space for those files; the least recently used go first")
+    tiers.add_argument("--disk-write-policy", default=defaults.disk_write_policy, choices=["through", "back"],
+                       help="through: every new full block is written to disk; back: only what host RAM evicts")
+    tiers.add_argument("--redis-url", default=None, metavar="URL",
+                       help="share blocks with other servers on the same model through Redis or Valkey, e.g. "
+                            "redis://127.0.0.1:6379/0 (run it with --save '' --appendonly no --maxmemory ... "
+                            "--maxmemory-policy allkeys-lru) (default: off)")
+    tiers.add_argument("--tier-kv-dtype", default=defaults.tier_kv_dtype, choices=KV_DTYPE_CHOICES,
+                       help="store the copies in host RAM, on disk and in Redis in this KV dtype, so each byte moved "
+                            "carries more tokens (e.g. bf16 or int8 under an fp32 pool; auto: the pool's own). A "
+                            "block read back is converted to the pool's dtype: it is what a --kv-dtype of this "
+                            "type would have held")
+    tiers.add_argument("--redis-timeout", type=non_negative_float, default=defaults.redis_timeout, metavar="SECONDS",
+                       help="a Redis call taking longer counts as a miss")
+    blend = serve.add_argument_group(
+        "blending", "Non-prefix KV reuse (CacheBlend): chunks of a prompt (chat messages and text parts, "
+        "--blend-separator pieces, POST /v1/cache/chunks documents) reuse cached KV wherever they appear; "
+        "a share of their tokens is recomputed. A request can override the default with "
+        "kv_blend: {\"enabled\": ..., \"recompute_ratio\": ...}.")
+    switch = blend.add_mutually_exclusive_group()
+    switch.add_argument("--blend", dest="enable_blend", action="store_true", default=defaults.enable_blend,
+                        help="blend requests that do not say otherwise (default: off)")
+    switch.add_argument("--no-blend", dest="enable_blend", action="store_false",
+                        default=defaults.enable_blend, help="blend only requests that ask for it (the default)")
+    blend.add_argument("--blend-recompute-ratio", type=fraction, metavar="RATIO",
+                       default=defaults.blend_recompute_ratio, help="share of the reused tokens recomputed, 0..1")
+    blend.add_argument("--blend-check-layers", type=check_layers, metavar="LAYERS",
+                       default=_number_list(defaults.blend_check_layers),
+                       help="comma-separated layers (>= 1, increasing) where reused tokens are re-selected")
+    blend.add_argument("--blend-gradual-factors", type=gradual_factors, metavar="FACTORS",
+                       default=_number_list(defaults.blend_gradual_factors),
+                       help="one multiplier of the recompute ratio per check layer, non-increasing, ending in 1 "
+                            "(e.g. 3,2,1: three times the ratio kept at the first check layer)")
+    blend.add_argument("--blend-score", default=defaults.blend_score, choices=["k", "v", "kv"],
+                       help="deviation between reused and fresh KV that picks the tokens to recompute")
+    blend.add_argument("--blend-first-tokens", type=non_negative_int, metavar="N",
+                       default=defaults.blend_first_tokens,
+                       help="always recompute each reused chunk's first N tokens (0: off)")
+    blend.add_argument("--blend-query-weight", type=non_negative_float, metavar="W",
+                       default=defaults.blend_query_weight,
+                       help="query-aware selection: first run the prompt's tail after the last reused chunk (the "
+                            "question) over the reused KV, and add W times the attention it pays each token to "
+                            "the deviation score (0: off, plain CacheBlend; costs one pass of the tail)")
+    blend.add_argument("--blend-key-shift", action=argparse.BooleanOptionalAction, default=defaults.blend_key_shift,
+                       help="add the model's key shift to chunks reused from their alone form (calibrated once per "
+                            "model, ~10 s for SmolLM2, kept in $KV_REUSE_KEY_SHIFT_DIR or the model cache folder); "
+                            "--no-blend-key-shift: plain CacheBlend (default: on)")
+    blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
+                       help="shortest chunk, in tokens, that is cached and reused")
+    blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
+                       help="/v1/completions: split a text prompt into reusable chunks at this string, "
+                            "which is removed (default: none; the prompt is one piece)")
+    service = serve.add_argument_group("service", "Keys, load limits and shutdown.")
+    service.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                         help="a key clients must send as 'Authorization: Bearer KEY' on /v1 routes (repeatable; "
+                              "visible in the process list, --api-key-file is not); each key is its own cache "
+                              "namespace (tenant) (default: none, the routes are open)")
+    service.add_argument("--api-key-file", metavar="FILE",
+                         help="read more keys from FILE, one a line ('#' lines and blank lines skipped)")
+    service.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
+                         help="a key /metrics requires (repeatable) (default: none, /metrics is open)")
+    service.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
+                         help="most requests waiting to be scheduled (each choice of n counts); past it, "
+                              "429 with Retry-After")
+    service.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                         help="abort a request this long after it arrived and answer 408 (a stream ends with "
+                              "an error event) (default: none, no limit)")
+    service.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                         help="on SIGTERM, refuse new requests (503) and let those in flight finish for this long, "
+                              "then abort the rest and exit 0")
+    serve.set_defaults(command_parser=serve)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log verbosity")
+    add_kv_calc_parser(commands)
+    from reuse_server.server.cluster import add_parser as add_cluster_parser  # torch-free
+
+    add_cluster_parser(commands, _HelpFormatter)
+    return parser
+
+
+def add_kv_calc_parser(commands) -> None:
+    calc = commands.add_parser(
+        "kv-calc", help="how much KV cache a model needs and what fits in memory (reads the config only)",
+        formatter_class=_HelpFormatter,
+        description="Size the KV cache from a model's config (no weights are loaded): bytes per token and per "
+                    "block, the padding of partly filled last blocks, and what fits in a memory budget.")
+    calc.add_argument("--model", default="smollm2",
+                      help="the bundled model name 'smollm2', a .gguf file, a config.json, or a Hugging Face folder")
+    calc.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
+                      help="KV element type (auto: the device's default, fp32 on cpu and bf16 on cuda; fp8_e4m3 "
+                           "adds an fp32 scale per block and KV head, int8 one per token and KV head)")
+    calc.add_argument("--device", default="cpu", help="device that resolves --kv-dtype auto: cpu, cuda, ...")
+    calc.add_argument("--block-size", type=block_size, default=EngineConfig().block_size,
+                      help="tokens per KV cache block (a power of two, 1..512)")
+    calc.add_argument("--context", type=positive_int, default=None,
+                      help="tokens per sequence (default: the model's maximum context)")
+    calc.add_argument("--concurrency", type=positive_int, default=1, help="sequences held at once")
+    calc.add_argument("--memory", type=parse_size, default="1GiB",
+                      help="memory for the KV cache: e.g. 2GB, 512MiB, or plain bytes (default: 1GiB)")
+    calc.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    calc.set_defaults(command_parser=calc)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+        weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+        cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
+        dedup_prefill=not args.no_prefill_dedup,
+        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
+        cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
+        disk_write_policy=args.disk_write_policy, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+        tier_kv_dtype=args.tier_kv_dtype,
+        enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
+        blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
+        blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
+        blend_query_weight=args.blend_query_weight, blend_key_shift=args.blend_key_shift,
+        blend_min_tokens=args.blend_min_tokens,
+        blend_separator=args.blend_separator)
+
+
+def blend_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong across the blending flags (each flag is checked alone by its type), or None."""
+    if len(args.blend_gradual_factors) != len(args.blend_check_layers):
+        return (f"--blend-gradual-factors has {len(args.blend_gradual_factors)} values but --blend-check-layers "
+                f"has {len(args.blend_check_layers)} layers; give one factor per check layer")
+    return None
+
+
+def tenant_keys(args: argparse.Namespace) -> list[str]:
+    """--api-key values and the lines of --api-key-file; raises OSError for an unreadable file."""
+    from reuse_server.api.auth import read_key_file
+
+    return list(args.api_keys or []) + (read_key_file(args.api_key_file) if args.api_key_file else [])
+
+
+def key_flags_problem(args: argparse.Namespace) -> str | None:
+    """A key flag that would leave the server less protected than asked (an empty key, a file without keys)."""
+    if any(not key.strip() for key in (args.api_keys or []) + (args.admin_api_keys or [])):
+        return "an API key must not be empty"
+    if args.api_key_file:
+        try:
+            from_file = tenant_keys(args)[len(args.api_keys or []):]
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"could not read --api-key-file: {exc}"
+        if not from_file:
+            return f"--api-key-file {args.api_key_file} holds no keys"
+    return None
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn  # the heavy imports wait until the flags are known to be good
+
+    from reuse_server.api.app import create_app
+    from reuse_server.api.settings import ServerSettings
+    from reuse_server.engine.async_engine import AsyncEngine
+    from reuse_server.server.serving import DrainingServer
+
+    from reuse_server.api.auth import ApiKeys
+
+    keys = ApiKeys(tenant_keys(args), args.admin_api_keys or [])
+    try:
+        engine = AsyncEngine.launch(engine_config(args), max_waiting=args.max_waiting)
+    except Exception as exc:  # any load failure is reported as one line; --log-level debug shows the traceback
+        logging.getLogger("reuse_server").debug("model load failed", exc_info=True)
+        print(f"reuse-server: error: could not load the model: {exc}", file=sys.stderr)
+        return 1
+    app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    DrainingServer(config, engine, args.shutdown_timeout).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # bad flags: argparse prints usage and a message, exits 2
+    if args.command == "serve":
+        problem = blend_flags_problem(args) or key_flags_problem(args)
+        if problem:
+            args.command_parser.error(problem)
+        return serve(args)
+    if args.command == "kv-calc":
+        return kv_calc(args)
+    if args.command == "cluster":
+        from reuse_server.server.cluster import run as run_cluster
+
+        return run_cluster(args)
+    return 2
+
+
+def kv_calc(args: argparse.Namespace) -> int:
+    from reuse_server.kv.calc import run
+    from reuse_server.model.errors import ModelLoadError
+
+    try:
+        return run(args)
+    except (ModelLoadError, ValueError) as exc:  # a model that cannot be read: one line, exit 2
+        args.command_parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

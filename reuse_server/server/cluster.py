@@ -1,0 +1,218 @@
+"""`reuse-server cluster`: the whole multi-replica topology on one machine, with one command.
+
+A local Redis (unless --redis-url names one), N replicas of `reuse-server serve` sharing KV through it (each
+on a free loopback port, same flags), and the SGLang model gateway (`sglang-router`, a Rust load balancer)
+in front of them. Each piece is a subprocess in its own session, so the terminal's Ctrl+C reaches only this
+process, which then stops them in order: the gateway first (no new requests reach the replicas), then the
+replicas (SIGTERM: each drains what it still runs), then Redis. The same three pieces are what one deploys
+on several machines (README, "Several replicas").
+
+The gateway flags set here (each can be overridden with --gateway-arg):
+- --worker-startup-check-interval 1: in sglang-router 0.3.x this interval is also the period of the load
+  monitor that polls each worker's GET /get_load for the power-of-two policy (30 s by default: the loads
+  it compares would be half a minute old);
+- --health-check-interval-secs 2 and --cb-failure-threshold 3: a dead replica leaves the rotation within
+  seconds (after 3 failed requests or probes), while the gateway retries the failed requests elsewhere;
+- --prometheus-host 127.0.0.1 --prometheus-port (a free port): the gateway's own metrics listener, which
+  otherwise takes 0.0.0.0:29000 and so fails the second gateway on a machine."""
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from reuse_server.server.launcher import ServerStartError, free_port, own_session, redis_process, served
+
+POLICIES = ("round_robin", "power_of_two", "cache_aware", "random")
+GATEWAY_DEFAULTS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+                    "--cb-failure-threshold", "3", "--log-level", "warn"]
+# flags the cluster sets on every replica itself
+OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url")
+STOP_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Replica:
+    url: str
+    process: subprocess.Popen
+
+
+@dataclass(frozen=True)
+class ClusterUrls:
+    gateway: str
+    replicas: list[str]
+    redis: str
+    gateway_process: subprocess.Popen
+
+
+def owned_flag(serve_args: list[str]) -> str | None:
+    """The first serve flag the cluster sets itself, if the user passed one."""
+    for arg in serve_args:
+        name = arg.split("=", 1)[0]
+        if name in OWNED_SERVE_FLAGS:
+            return name
+    return None
+
+
+@contextmanager
+def replica_set(count: int, serve_args: list[str], log_dir: Path, redis_url: str | None = None,
+                startup_timeout: float = 300.0) -> Iterator[list[Replica]]:
+    """`count` servers with the same flags (and --redis-url), each on a free loopback port; yields them once
+    each answers /health. On the way out each gets SIGTERM and drains."""
+    extra = ["--redis-url", redis_url] if redis_url else []
+    with ExitStack() as stack:
+        replicas = []
+        for i in range(count):
+            url, proc = stack.enter_context(served([*serve_args, *extra], Path(log_dir) / f"replica-{i}.log",
+                                                   startup_timeout=startup_timeout, new_session=True))
+            replicas.append(Replica(url, proc))
+        yield replicas
+
+
+@contextmanager
+def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127.0.0.1", port: int | None = None,
+            extra_args: list[str] = (), startup_timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """The SGLang model gateway in front of `worker_urls`; yields (its URL, process) once it lists every
+    worker as healthy. Stopped with SIGTERM on the way out."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
+           "--host", host, "--port", str(port), *GATEWAY_DEFAULTS,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra_args]
+    log_path = Path(log_dir) / "gateway.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=own_session)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    try:
+        wait_for_workers(url, proc, len(worker_urls), startup_timeout, log_path)
+        yield url, proc
+    finally:
+        stop(proc)
+
+
+def wait_for_workers(url: str, proc: subprocess.Popen, count: int, timeout: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServerStartError(f"the gateway exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            workers = httpx.get(url + "/workers", timeout=2).json().get("workers", [])
+            if sum(1 for w in workers if w.get("is_healthy")) >= count:
+                return
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"the gateway did not list {count} healthy workers in {timeout:g} s:\n"
+                                   f"{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen, timeout: float = STOP_SECONDS) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def cluster(replicas: int, policy: str, serve_args: list[str], log_dir: Path, redis_url: str | None = None,
+            host: str = "127.0.0.1", port: int | None = None, gateway_args: list[str] = (),
+            redis_maxmemory: str = "1gb") -> Iterator[ClusterUrls]:
+    """Redis (a local one unless redis_url), the replicas, the gateway; stopped in the reverse order."""
+    with ExitStack() as stack:
+        if redis_url is None:
+            redis_url, _ = stack.enter_context(redis_process(maxmemory=redis_maxmemory, new_session=True))
+        urls = [r.url for r in stack.enter_context(replica_set(replicas, serve_args, log_dir, redis_url))]
+        gateway_url, proc = stack.enter_context(gateway(urls, policy, log_dir, host, port, list(gateway_args)))
+        yield ClusterUrls(gateway=gateway_url, replicas=urls, redis=redis_url, gateway_process=proc)
+
+
+def add_parser(commands, formatter_class) -> None:
+    p = commands.add_parser(
+        "cluster", help="run N replicas sharing KV through Redis behind the SGLang model gateway, on this machine",
+        formatter_class=formatter_class,
+        description="Start a local Redis (unless --redis-url), N `reuse-server serve` replicas sharing KV through "
+                    "it, and the SGLang model gateway in front; print the gateway's URL; on Ctrl+C or SIGTERM stop "
+                    "the gateway, then the replicas (they drain), then Redis. Flags after `--` go to every replica, "
+                    "e.g. `reuse-server cluster --replicas 2 -- --kv-cache-memory 512MiB`.")
+    p.add_argument("--replicas", type=_positive_int, default=2, help="servers behind the gateway")
+    p.add_argument("--policy", choices=POLICIES, default="power_of_two",
+                   help="the gateway's load balancing: power_of_two (the less loaded of two, by the tokens each "
+                        "replica reports at /get_load), round_robin, cache_aware (prompt-prefix affinity), random")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--port", type=_positive_int, default=8000, help="port the gateway listens on")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="an existing Redis or Valkey for the shared KV tier (default: start a local redis-server)")
+    p.add_argument("--redis-maxmemory", default="1gb", metavar="SIZE",
+                   help="memory bound of the local Redis (LRU beyond it)")
+    p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                   help="where each process's log goes (default: a new temporary folder, printed)")
+    p.add_argument("--gateway-arg", dest="gateway_args", action="append", default=[], metavar="ARG",
+                   help="one more argument for the gateway (repeatable), e.g. --gateway-arg=--api-key=KEY")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_ARGS",
+                   help="flags for every replica (reuse-server serve --help)")
+    p.set_defaults(command_parser=p)
+
+
+def _positive_int(text: str) -> int:
+    from reuse_server.server.cli import positive_int
+
+    return positive_int(text)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    # once: a second signal while everything stops must not cut the stopping short (each stop is bounded)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    serve_args = list(args.serve_args)
+    if serve_args[:1] == ["--"]:
+        serve_args = serve_args[1:]
+    flag = owned_flag(serve_args)
+    if flag:
+        args.command_parser.error(f"{flag} is set by the cluster for each replica; use the cluster's own flags")
+    if args.policy == "power_of_two" and args.replicas < 2:
+        args.command_parser.error("--policy power_of_two needs at least 2 replicas (the gateway refuses fewer); "
+                                  "use --policy round_robin for one")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="reuse-cluster-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    print(f"reuse-server cluster: logs in {log_dir}", flush=True)
+    try:
+        with cluster(args.replicas, args.policy, serve_args, log_dir, args.redis_url, args.host, args.port,
+                     args.gateway_args, args.redis_maxmemory) as urls:
+            print(f"redis:    {urls.redis}", flush=True)
+            for i, url in enumerate(urls.replicas):
+                print(f"replica {i}: {url}", flush=True)
+            print(f"gateway:  {urls.gateway} (policy {args.policy}); OpenAI base URL {urls.gateway}/v1", flush=True)
+            print("ready; Ctrl+C stops everything", flush=True)
+            signal.signal(signal.SIGINT, _raise_stop)
+            while urls.gateway_process.poll() is None:
+                time.sleep(1)
+            print(f"reuse-server cluster: the gateway exited with {urls.gateway_process.returncode} (see "
+                  f"{log_dir / 'gateway.log'}); stopping", file=sys.stderr, flush=True)
+            return 1
+    except (_Stop, KeyboardInterrupt):
+        print("reuse-server cluster: stopped", flush=True)
+        return 0
+    except ServerStartError as exc:
+        print(f"reuse-server cluster: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,135 @@
+"""Replicas behind the real SGLang model gateway (sglang-router), sharing KV through a real Redis: the gateway
+registers them with their model and load, a conversation whose turns land on different replicas still finds
+its earlier turns cached, a replica killed mid-run loses no request the gateway can retry, and loadgen reports
+per-replica figures by scraping each replica. Tiny checkpoint; official openai client."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from redis_server import redis_server
+from reuse_server.server.cluster import gateway, replica_set
+from server_process import REPO, metric, scrape
+from tiny_checkpoint import write_tiny_checkpoint
+
+pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
+
+BS = 16  # a Redis fetch per block must stay cheaper than recomputing it, even on the tiny model (tiers/costs.py)
+
+
+def serve_args(model_path) -> list[str]:
+    return ["--model", str(model_path), "--served-model-name", "tiny", "--block-size", str(BS),
+            "--num-gpu-blocks", "256", "--no-blend-key-shift"]
+
+
+@pytest.fixture(scope="module")
+def small_llama_path(tmp_path_factory):
+    """Wider and deeper than the tiny checkpoint, so that recomputing a block clearly costs more than fetching
+    it from Redis: a replica fetches a block only where that is measured cheaper (tiers/costs.py), and on the
+    tiny model the two are close enough for a busy machine to tip the choice."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("small-llama"), arch="llama", num_layers=4,
+                                 hidden_size=256, intermediate_size=1024)
+
+
+@pytest.fixture
+def redis_url():
+    with redis_server() as redis:
+        yield redis.url
+
+
+@pytest.fixture(scope="module")
+def round_robin(small_llama_path, tmp_path_factory):
+    """(gateway URL, replicas): two replicas sharing one Redis behind a round-robin gateway."""
+    logs = tmp_path_factory.mktemp("round-robin")
+    with redis_server() as redis, replica_set(2, serve_args(small_llama_path), logs, redis.url) as replicas, \
+            gateway([r.url for r in replicas], "round_robin", logs) as (url, _):
+        yield url, replicas
+
+
+def declined(replicas) -> list[float]:
+    return [metric(scrape(r.url), "kvreuse_tier_declined_total", tier="redis") for r in replicas]
+
+
+def requests_served(url: str) -> float:
+    return sum(v for (name, _), v in scrape(url).items() if name == "kvreuse_requests_total")
+
+
+def test_a_conversation_moving_between_replicas_keeps_its_earlier_turns_cached(round_robin):
+    url, replicas = round_robin
+    before = [requests_served(rep.url) for rep in replicas]
+    workers = httpx.get(url + "/workers").json()["workers"]
+    assert len(workers) == 2 and all(w["is_healthy"] and w["model_id"] == "tiny" for w in workers)
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    previous = None
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Question {turn}: what is the capital of France? "
+                                                    "Tell me about the quick brown fox and the lazy dog."})
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+        details = r.usage.prompt_tokens_details.model_dump()
+        if previous is not None:
+            # round robin over two: every turn lands on the other replica, which finds the conversation so
+            # far in Redis (at least every full block of the previous prompt, which is this one's prefix)
+            assert details["cached_tokens"] >= previous // BS * BS, (turn, details, previous, declined(replicas))
+            assert details["tier_tokens"]["redis"] > 0, (turn, details)
+        previous = r.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    assert [requests_served(rep.url) - b for rep, b in zip(replicas, before)] in ([3, 2], [2, 3])
+    loads = httpx.get(url + "/get_loads").json()["workers"]
+    assert sorted(w["load"] for w in loads) == [0, 0]  # the gateway reads our /get_load (-1 if it failed)
+
+
+def test_loadgen_reports_each_replica_behind_the_gateway(round_robin, tmp_path):
+    url, replicas = round_robin
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "loadgen.cli", "run", "--server", url, "--workload", "multi-turn", "--requests",
+         "8", "--turns", "4", "--concurrency", "1", "--output-tokens", "4", "--max-prompt-tokens", "400",
+         "--warmup", "0", "--no-plots", "--no-progress", "--out", str(out), "--replica-metrics",
+         *[r.url for r in replicas]], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    w = json.loads((out / "report.json").read_text())["workloads"]["multi-turn"]
+    per = w["replicas"]["per_replica"]
+    assert [p["url"] for p in per] == [r.url for r in replicas]
+    assert [p["requests"] for p in per] == [4, 4]  # round robin
+    assert sum(p["prompt_tokens"] for p in per) == w["prompt_tokens"]
+    assert all(p["prefix_hit_rate"] is not None and p["ttft_mean_ms"] > 0 for p in per)
+    # one session at a time: each turn lands on the other replica and finds the earlier ones in Redis
+    assert sum(p["redis_hit_blocks"] for p in per) > 0, declined(replicas)
+    spread = w["replicas"]["spread"]
+    assert spread["requests"] == [4, 4] and spread["max_request_share"] == 0.5 and spread["requests_cv"] == 0
+    assert "## Replicas" in (out / "report.md").read_text()
+    assert "requests per replica 4 / 4" in done.stdout
+
+
+def test_a_replica_killed_mid_run_loses_no_request_the_gateway_can_retry(tiny_llama_path, tmp_path, redis_url):
+    with replica_set(2, serve_args(tiny_llama_path), tmp_path, redis_url) as replicas, \
+            gateway([r.url for r in replicas], "power_of_two", tmp_path) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(i: int):
+            return client.chat.completions.create(
+                model="tiny", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"Request {i}: the quick brown fox jumps over the lazy dog."}])
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(ask, i) for i in range(32)]
+            deadline = time.monotonic() + 60
+            while requests_served(replicas[1].url) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            replicas[1].process.kill()  # mid-run: requests are in flight on it and more are coming
+            answers = [f.result() for f in futures]
+        assert all(a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 24 for a in answers)
+        assert requests_served(replicas[0].url) >= 32 - 2 - 8  # what the dead one finished, at most, plus in flight
+        workers = {w["url"]: w for w in httpx.get(url + "/workers").json()["workers"]}
+        assert workers[replicas[0].url]["is_healthy"]
+        # and the survivor goes on serving
+        assert ask(99).usage.completion_tokens == 24
