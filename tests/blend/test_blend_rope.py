@@ -197,7 +197,9 @@ _TRITON_SCRIPT = textwrap.dedent(
     from blend.rope import rerope_torch_, default_inv_freq
     from blend.rope_triton import rerope_triton_
 
-    g = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print("seed", seed, file=__import__("sys").stderr)  # shown with a failure, to run its case again
+    g = torch.Generator().manual_seed(seed)
     cases = 0
     shapes = [(1, 64), (3, 64), (2, 128), (4, 128), (5, 96)]
     for kvh, hd in shapes:

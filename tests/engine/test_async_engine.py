@@ -11,6 +11,7 @@ from fault_injection import FAULT, launch_faulty
 from reuse_server.engine.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.sampling_params import SamplingParams
+from reuse_server.model.errors import ModelLoadError
 
 
 def test_launch_builds_the_engine_on_the_thread_that_runs_it(tiny_llama_path):
@@ -34,7 +35,7 @@ def test_launch_builds_the_engine_on_the_thread_that_runs_it(tiny_llama_path):
 
 
 def test_a_failed_load_raises_in_the_caller(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(ModelLoadError, match="no-such-model"):
         AsyncEngine.launch(EngineConfig(model=str(tmp_path / "no-such-model")))
     assert not [t for t in threading.enumerate() if t.name == "engine" and t.is_alive()]
 
