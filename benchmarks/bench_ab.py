@@ -4,6 +4,7 @@ anything slower or worse (a restructure), this is the figure that counts; a figu
 shared VM is not.
 
     .venv/bin/python -m benchmarks.bench_ab --before ../before-checkout [--benches ttft,engine,blend] [--rounds 2]
+        [--weight-dtype auto|fp32|...|legacy]
 
 The before checkout needs nothing installed: its packages are imported from its own folder (run from there,
 Python finds them before the installed editable copy). Each benchmark is the checkout's own script, with the
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before", required=True, type=Path, help="a checkout of the code before the change")
     ap.add_argument("--benches", default="ttft,engine,blend")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--weight-dtype", default="auto",
+                    help="both sides hold their weights so (a side from before --weight-dtype existed: 'legacy')")
     args = ap.parse_args(argv)
     for bench in args.benches.split(","):
         for r in range(args.rounds):
@@ -54,8 +57,11 @@ def main(argv: list[str] | None = None) -> None:
             if r % 2:
                 order.reverse()  # neither side always runs first
             for code, checkout in order:
-                # the code before the change held weights in fp32 only: compare like with like
-                extra = ["--weight-dtype", "fp32"] if code == "after" else []
+                # compare like with like; code from before --weight-dtype held fp32 only ('legacy': this side fp32)
+                if args.weight_dtype == "legacy":
+                    extra = ["--weight-dtype", "fp32"] if code == "after" else []
+                else:
+                    extra = ["--weight-dtype", args.weight_dtype]
                 for row in run(checkout, bench, extra):
                     print(json.dumps({**row, "code": code, "round": r}), flush=True)
 
