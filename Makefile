@@ -13,7 +13,7 @@ ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 3000
 endif
 
-.PHONY: venv serve test bench clean redis-server
+.PHONY: venv serve test bench clean redis-server aiperf
 
 venv: $(STAMP)
 
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/reuse-server serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server aiperf
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The Redis tier's tests run against a real redis-server (Debian's), which they start on a free port.
@@ -42,8 +42,19 @@ redis-server:
 	  { $$SUDO apt-get update -q >/dev/null && \
 	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; }
 
-bench: $(STAMP)
+# NVIDIA aiperf, the load generator published benchmarks use, pins its own dependencies: a venv of its own
+# (reuse-loadgen aiperf runs it as a subprocess)
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+aiperf: $(AIPERF_STAMP)
+
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet aiperf==0.13.0
+	touch $(AIPERF_STAMP)
+
+bench: $(STAMP) $(AIPERF_STAMP)
 	$(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache

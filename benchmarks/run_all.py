@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_tiers": ["--length", "1024", "--skip-working-set"],
     "bench_overload": ["--levels", "8,32", "--seconds", "5", "--burst", "16"],
     "bench_soak": ["--minutes", "1", "--clients", "8"],
+    "bench_aiperf": ["--requests", "8"],
     "bench_replicas": ["--replicas", "1,2", "--policies", "round_robin", "--workloads", "multi-turn",
                        "--requests", "12", "--skip-handoff"],
 }

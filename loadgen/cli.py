@@ -12,7 +12,7 @@ import sys
 
 from loadgen.errors import UsageError
 
-SUBCOMMAND_MODULES = ("loadgen.simulate", "loadgen.run", "loadgen.report_cmd", "loadgen.reclaim")
+SUBCOMMAND_MODULES = ("loadgen.simulate", "loadgen.run", "loadgen.report_cmd", "loadgen.reclaim", "loadgen.aiperf")
 
 
 def build_parser() -> argparse.ArgumentParser:
