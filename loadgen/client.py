@@ -158,14 +158,20 @@ class LoadClient:
 
 
     async def drive(self, session: Session, phase_start: float, deadline: float) -> tuple[list[RequestResult], int]:
-        """Run a session whose requests a program decides (session.driver) with an openai client of its own,
-        each of its chat requests measured on the way (http_recorder). Returns the results and how many of
+        """Run a session whose requests a program decides (session.driver) with an SDK client of its own
+        (session.client), each of its generation requests measured on the way (http_recorder). Returns the results and how many of
         the planned requests were not sent."""
         results: list[RequestResult] = []
         transport = RecordingTransport(httpx.AsyncHTTPTransport(), session.id, phase_start, deadline, results)
         async with httpx.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
-            client = openai.AsyncOpenAI(base_url=f"{self.server}/v1", api_key="loadgen", max_retries=0,
-                                        timeout=self.timeout_s, http_client=http)
+            if session.client == "anthropic":
+                import anthropic
+
+                client = anthropic.AsyncAnthropic(base_url=self.server, api_key="loadgen", max_retries=0,
+                                                  timeout=self.timeout_s, http_client=http)
+            else:
+                client = openai.AsyncOpenAI(base_url=f"{self.server}/v1", api_key="loadgen", max_retries=0,
+                                            timeout=self.timeout_s, http_client=http)
             try:
                 await session.driver(client, self.model, self.mode.cache_body())
             except Exception as exc:  # noqa: BLE001 - whatever stopped the program is the session's outcome

@@ -1,10 +1,13 @@
-"""Measures the chat requests of a client the load generator does not write itself (an agent framework): an
-httpx transport that passes every request through and records, for each POST to /chat/completions, a
-RequestResult with the same fields LoadClient.send fills in, read from the HTTP exchange alone.
+"""Measures the generation requests of a client the load generator does not write itself (an agent framework,
+a vendor SDK): an httpx transport that passes every request through and records, for each POST to
+/chat/completions, /responses or /messages, a RequestResult with the same fields LoadClient.send fills in,
+read from the HTTP exchange alone.
 
-TTFT is the time until the first streamed chunk that carries text or a tool call; usage comes from the
-last chunk (the client must ask for `stream_options.include_usage`) or from a whole JSON body. Once the
-phase's time is up, the transport refuses new requests with `PhaseOver` instead of sending them.
+TTFT is the time until the first streamed event that carries text or a tool call; usage comes from the last
+chunk (chat: the client must ask for `stream_options.include_usage`), from `response.completed` (Responses),
+from `message_start` and `message_delta` (Anthropic Messages), or from a whole JSON body. Each dialect's usage
+is read into chat's terms (prompt, completion and cached tokens). Once the phase's time is up, the transport
+refuses new requests with `PhaseOver` instead of sending them.
 """
 from __future__ import annotations
 
@@ -21,10 +24,58 @@ class PhaseOver(httpx.TransportError):
     """The phase's duration has passed: the request was not sent."""
 
 
+GENERATION_PATHS = ("/chat/completions", "/responses", "/messages")
+
+
 def _usage(data: dict) -> SimpleNamespace:
-    """The `usage` object of a response, with attribute access as apply_usage reads it."""
-    return SimpleNamespace(prompt_tokens=data.get("prompt_tokens"), completion_tokens=data.get("completion_tokens"),
-                           prompt_tokens_details=SimpleNamespace(**(data.get("prompt_tokens_details") or {})))
+    """A response's `usage` in any of the three dialects, as chat's fields with attribute access (apply_usage)."""
+    if "prompt_tokens" in data:  # chat completions
+        details = data.get("prompt_tokens_details") or {}
+        return SimpleNamespace(prompt_tokens=data.get("prompt_tokens"), completion_tokens=data.get("completion_tokens"),
+                               prompt_tokens_details=SimpleNamespace(**details))
+    if "input_tokens_details" in data:  # Responses: input_tokens counts the cached ones too
+        details = data.get("input_tokens_details") or {}
+        return SimpleNamespace(prompt_tokens=data.get("input_tokens"), completion_tokens=data.get("output_tokens"),
+                               prompt_tokens_details=SimpleNamespace(**details))
+    # Anthropic Messages: input_tokens are the uncached ones; the prompt is their sum with the cache's
+    read = data.get("cache_read_input_tokens") or 0
+    prompt = (data.get("input_tokens") or 0) + read + (data.get("cache_creation_input_tokens") or 0)
+    return SimpleNamespace(prompt_tokens=prompt, completion_tokens=data.get("output_tokens"),
+                           prompt_tokens_details=SimpleNamespace(cached_tokens=read))
+
+
+def _carries_output(data: dict) -> bool:
+    """Whether a streamed event holds the first text or tool call, in any of the three dialects."""
+    for choice in data.get("choices") or ():  # chat completions
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("tool_calls"):
+            return True
+    kind = data.get("type")
+    if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):  # Responses
+        return bool(data.get("delta"))
+    if kind == "response.output_item.added":
+        return (data.get("item") or {}).get("type") == "function_call"
+    if kind == "content_block_start":  # Anthropic Messages
+        return (data.get("content_block") or {}).get("type") == "tool_use"
+    if kind == "content_block_delta":
+        delta = data.get("delta") or {}
+        return bool(delta.get("text") or delta.get("partial_json"))
+    return False
+
+
+def _stream_usage(data: dict, usage: dict | None) -> dict | None:
+    """The usage so far after one streamed event (Anthropic's comes in two parts: the prompt's at
+    message_start, the output's at message_delta)."""
+    kind = data.get("type")
+    if kind == "response.completed":
+        return (data.get("response") or {}).get("usage") or usage
+    if kind == "message_start":
+        return dict((data.get("message") or {}).get("usage") or {})
+    if kind == "message_delta" and data.get("usage"):
+        return {**(usage or {}), **data["usage"]}
+    if data.get("usage") and kind is None:
+        return data["usage"]
+    return usage
 
 
 class _Watched(httpx.AsyncByteStream):
@@ -59,16 +110,14 @@ class _Watched(httpx.AsyncByteStream):
                     self._event(json.loads(line[len(b"data: "):]))
 
     def _event(self, data: dict) -> None:
-        if "error" in data:
-            self._result.error = f"in-stream error: {data['error'].get('message', data['error'])}"[:300]
+        if "error" in data or data.get("type") in ("error", "response.failed"):
+            error = data.get("error") or (data.get("response") or {}).get("error") or data
+            message = error.get("message", error) if isinstance(error, dict) else error
+            self._result.error = f"in-stream error: {message}"[:300]
             return
-        if self._result.ttft_s is None:
-            for choice in data.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("tool_calls"):
-                    self._result.ttft_s = time.perf_counter() - self._sent
-        if data.get("usage"):
-            self._usage = data["usage"]
+        if self._result.ttft_s is None and _carries_output(data):
+            self._result.ttft_s = time.perf_counter() - self._sent
+        self._usage = _stream_usage(data, self._usage)
 
     def _finish(self) -> None:
         if self._done:
@@ -91,7 +140,7 @@ class _Watched(httpx.AsyncByteStream):
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):
-    """Records one RequestResult per chat completion request into `results`, turn by turn."""
+    """Records one RequestResult per generation request into `results`, turn by turn."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport, session: str, phase_start: float, deadline: float,
                  results: list[RequestResult]):
@@ -103,7 +152,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         self.refused = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+        if request.method != "POST" or not request.url.path.endswith(GENERATION_PATHS):
             return await self._inner.handle_async_request(request)
         sent = time.perf_counter()
         if sent >= self.deadline:

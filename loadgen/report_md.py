@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 PREFIX_HELPS_BELOW = 0.5  # prefix hit rate under which a workload is listed as blending's job
-PER_STEP_WORKLOADS = ("agent-sdk",)  # reported step by step as well
+PER_STEP_WORKLOADS = ("agent-sdk", "agent-sdk-responses", "anthropic-tools")  # reported step by step as well
 
 WHY_PREFIX_FAILS = {
     "agent-loop-timestamp": "a clock line near the top of the system prompt changes every step, so the prefix ends there "
@@ -17,6 +17,10 @@ WHY_PREFIX_FAILS = {
                   "ordering one)",
     "agent-sdk": "the agent's calls are written back into the history as the client rebuilds them, which the "
                  "tokenizer may split differently from the tokens the model generated",
+    "agent-sdk-responses": "the agent's calls are written back into the input as the SDK rebuilds them, which the "
+                           "tokenizer may split differently from the tokens the model generated",
+    "anthropic-tools": "the tool_use blocks are written back into the conversation as the client rebuilds them, which "
+                       "the tokenizer may split differently from the tokens the model generated",
     "trace": "most requests share few blocks with earlier ones (the trace's ceiling with full-block prefix sharing and "
              "unlimited capacity is about 37%)",
 }

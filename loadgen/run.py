@@ -89,7 +89,7 @@ def register(subparsers) -> None:
     p.add_argument("--chars-per-token", type=positive_float, default=4.0,
                    help="characters per token for the prompt-size estimate (default 4, English BPE)")
     p.add_argument("--agents", type=positive_int, default=4, help="agent-loop: agents (default 4)")
-    p.add_argument("--turns", type=positive_int, default=12, help="agent-loop, multi-turn: turns per session at most; agent-sdk: steps per task (default 12)")
+    p.add_argument("--turns", type=positive_int, default=12, help="agent-loop, multi-turn: turns per session at most; agent-sdk*, anthropic-tools: steps per task (default 12)")
     p.add_argument("--system-tokens", type=positive_int, default=800,
                    help="agent-loop: system prompt with tool definitions; agent-sdk: the instructions (default 800)")
     p.add_argument("--tool-output-tokens", type=positive_int, default=120,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from loadgen.errors import UsageError
-from loadgen.workloads import agent_loop, agent_sdk, multi_turn, rag_shuffle, shared_doc, trace
+from loadgen.workloads import agent_loop, agent_sdk, anthropic_tools, multi_turn, rag_shuffle, shared_doc, trace
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
 
 # Workloads written in advance from the seed: `all` runs these.
@@ -17,7 +17,11 @@ BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
 }
 WORKLOAD_NAMES = tuple(BUILDERS)
 # Workloads whose prompts depend on the model's answers (a real agent framework), run only when named.
-LIVE_BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {agent_sdk.NAME: agent_sdk.build}
+LIVE_BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
+    agent_sdk.NAME: agent_sdk.build,
+    agent_sdk.RESPONSES_NAME: agent_sdk.build,
+    anthropic_tools.NAME: anthropic_tools.build,
+}
 
 
 def parse_workload_names(text: str) -> list[str]:

@@ -1,10 +1,12 @@
-"""agent-sdk: a real agent framework, the OpenAI Agents SDK (its Chat Completions model), works through
-scripted tasks with local tools against the server, a fixed number of steps per task.
+"""agent-sdk: a real agent framework, the OpenAI Agents SDK, works through scripted tasks with local tools
+against the server, a fixed number of steps per task. `agent-sdk` drives it with its Chat Completions model,
+`agent-sdk-responses` with its default model, which speaks the Responses API (`/v1/responses`).
 
-Each step is one streamed Chat Completions request as the SDK writes it: its instructions as the system
-message, the tools, the task, and every earlier call and tool output, with `tool_choice: "required"` so
-that every step calls a tool (the SDK's `reset_tool_choice` is off, and the run ends after `steps` model
-calls, the SDK's `max_turns`). The server's constrained decoding makes even a small model's calls valid.
+Each step is one streamed request as the SDK writes it: its instructions (the system message, or the
+Responses `instructions`), the tools, the task, and every earlier call and tool output, with
+`tool_choice: "required"` so that every step calls a tool (the SDK's `reset_tool_choice` is off, and the run
+ends after `steps` model calls, the SDK's `max_turns`). In Responses mode the SDK sends the whole input every
+step (no `previous_response_id`), as Codex does: the prefix cache does the reuse. The server's constrained decoding makes even a small model's calls valid.
 The tools run here, deterministic for their arguments; their outputs are about `tool_output_tokens` long.
 
 Unlike the other workloads, prompts depend on the model's answers (which tool it calls, with what), so
@@ -26,6 +28,7 @@ from loadgen.workloads.spec import Session, Workload, WorkloadConfig
 from loadgen.workloads.text import paragraph
 
 NAME = "agent-sdk"
+RESPONSES_NAME = "agent-sdk-responses"
 STEP_MAX_TOKENS = 160  # a step's answer is one call, which ends by itself; this only bounds a runaway
 CALL_TOKENS = 60  # a call as it appears in later prompts, with its framing (estimate)
 
@@ -119,7 +122,7 @@ def steps_that_fit(cfg: WorkloadConfig) -> int:
     per_step = CALL_TOKENS + cfg.tool_output_tokens + 10
     fit = (cfg.max_prompt_tokens - base) // per_step
     if fit < 1:
-        raise UsageError(f"{NAME}: not even one step fits --max-prompt-tokens {cfg.max_prompt_tokens}; lower "
+        raise UsageError(f"agent workloads: not even one step fits --max-prompt-tokens {cfg.max_prompt_tokens}; lower "
                          "--system-tokens or --tool-output-tokens")
     return min(cfg.turns, fit)
 
@@ -131,14 +134,15 @@ def _request_text(task: Task, rng: random.Random) -> str:
                                month=rng.choice(Month.__args__), currency=rng.choice(Currency.__args__))
 
 
-def _driver(task: Task, instructions: str, request: str, steps: int, max_tokens: int):
+def _driver(task: Task, instructions: str, request: str, steps: int, max_tokens: int, responses: bool):
     async def drive(client, model: str, cache_body: dict) -> None:
-        from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner,
-                            function_tool)
+        from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                            RunConfig, Runner, function_tool)
 
+        kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
         agent = Agent(
             name=task.name, instructions=instructions, tools=[function_tool(f) for f in task.tools],
-            model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+            model=kind(model=model, openai_client=client),
             model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0.0,
                                          max_tokens=max_tokens, include_usage=True, extra_body=cache_body or None),
             reset_tool_choice=False)
@@ -167,6 +171,7 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
         rng = random.Random(f"agent-sdk:{cfg.seed}:{k}")
         session = f"{task.name}{k}"
         sessions.append(Session(id=session, requests=[], planned=n, driver=_driver(
-            task, _instructions(task, cfg), _request_text(task, rng), n, max(cfg.output_tokens, STEP_MAX_TOKENS))))
+            task, _instructions(task, cfg), _request_text(task, rng), n, max(cfg.output_tokens, STEP_MAX_TOKENS),
+            responses=name == RESPONSES_NAME)))
         remaining -= n
     return Workload(name=name, sessions=sessions)

@@ -43,6 +43,7 @@ class Session:
     after: str | None = None  # id of a session that must finish before this one starts
     driver: SessionDriver | None = None
     planned: int = 0
+    client: str = "openai"  # the SDK the driver is handed: "openai" (AsyncOpenAI) or "anthropic" (AsyncAnthropic)
 
 
 @dataclass(frozen=True)
