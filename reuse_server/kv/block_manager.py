@@ -6,6 +6,14 @@ tree, which takes ownership; the sequence then locks the deeper node instead. Wh
 last block becomes a tail of that chain. A prompt that leaves the cached chain inside a block (after at
 least one full block) gets, at admission, a copy of the cached block (a tail or a child's first block)
 sharing the most of its tokens, and starts computing after the shared ones.
+
+This is the one code that changes the radix tree: every chain of full blocks goes in through `_file` (a
+tail through `file_tail`), whether a sequence publishes the blocks it computed or `store` files blocks no
+sequence computed (loaded from a tier by `load_prefix`, or a blend chunk the chunk index registers).
+Admission is three steps behind one call (`admit`): `load` (the tiers' blocks continuing the cached chain go
+into the tree; blocks after a hole are found), `match` (match and lock the prefix, pick a partially shared
+block) and `allocate` (take the first slice's blocks, copy the shared block in, load the blocks found after
+the hole).
 """
 from __future__ import annotations
 
@@ -136,9 +144,10 @@ class BlockManager:
             partial = self.match(seq, tokens, approximate_namespace)
         if not self.allocate(seq, first_slice_tokens, partial, loaded.after_hole):
             return None
-        return Admission(kv.num_computed + len(loaded.after_hole) * self.block_size, loaded.tokens_by_tier(self.block_size))
+        bs = self.block_size
+        return Admission(kv.num_computed + len(loaded.after_hole) * bs, loaded.tokens_by_tier(bs))
 
-    def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> "Loaded":
+    def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> Loaded:
         """Admission, first: the tiers' blocks continuing the device's cached chain of seq's prompt go into
         the pool and the tree (load_prefix); with fill_holes, the blocks after the first block no cache holds
         are found too (loaded into seq's own blocks once allocate has taken them)."""

@@ -424,5 +424,6 @@ class PinnedStaging:
         staged.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending = StagedCopy(event, staged, torch.empty(packed.shape, dtype=torch.uint8))
-        return self._pending._out, self._pending
+        out = torch.empty(packed.shape, dtype=torch.uint8)
+        self._pending = StagedCopy(event, staged, out)
+        return out, self._pending

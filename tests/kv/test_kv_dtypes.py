@@ -274,6 +274,7 @@ def test_the_cpu_kernel_quantizes_as_torch_does(dtype):
             pool.write(0, torch.tensor([36 + i % 4]), values(1, 60 + i) * 3.0**i, values(1, 70 + i))
         pool.write(1, torch.tensor([5, 17, 18]), values(3, 80) * 100, values(3, 81) / 100)
         pool.copy_slots(torch.tensor([1, 2, 3, 30]), torch.tensor([44, 45, 12, 13]))
-        pool.update_keys(torch.tensor([44, 45, 12]), moved_keys(torch.arange(3), torch.arange(3) + 77, default_inv_freq(DIM)))
+        move = moved_keys(torch.arange(3), torch.arange(3) + 77, default_inv_freq(DIM))
+        pool.update_keys(torch.tensor([44, 45, 12]), move)
     assert torch.equal(native._data.view(torch.uint8), plain._data.view(torch.uint8))
     assert torch.equal(native._scales, plain._scales)

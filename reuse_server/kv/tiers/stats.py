@@ -36,8 +36,8 @@ class Lookups:
 def figures(stats: TierStats, lookups: Lookups) -> dict:
     """One tier's figures as the service shows them (a block dropped for holding other tokens counts as
     corrupt, like a damaged blob)."""
-    out = {"queries": lookups.queries, "hits": lookups.hits, "declined": lookups.declined}
-    out.update(stats.as_dict())
-    out["read_seconds"] = lookups.read_seconds
+    own = stats.as_dict()
+    out = {"queries": lookups.queries, "hits": lookups.hits, "declined": lookups.declined,
+           "read_bytes": own.pop("read_bytes"), "read_seconds": lookups.read_seconds, **own}
     out["corrupt"] += lookups.mismatched
     return out
