@@ -37,7 +37,7 @@ from benchmarks.bench_blend import (DOCS, CapturingSampler, kl, load_articles, m
 from benchmarks.bench_engine import ours_decode
 from benchmarks.bench_ttft import TextSource, conversation, with_last_line
 from blend.chunking import render_chat_chunks
-from blend.key_shift import unrope
+from blend.key_shift import moved_keys, unrope
 from blend.rope import apply_rope, rerope_dense
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
@@ -186,7 +186,7 @@ def blend_key_deviation(engine: LLMEngine, case, inv_freq: torch.Tensor) -> floa
 
 def rerope_errors(keys: list[torch.Tensor], dtype: str, shifts: list[int], inv_freq: torch.Tensor) -> dict:
     """Relative RMS error, against the exact key at the new position, of a key stored in `dtype` at position
-    p and moved to p + shift: requantized after the rotation (the pool's rerope), kept unrotated (stored
+    p and moved to p + shift: requantized after the rotation (the pool's update_keys with blend's moved_keys), kept unrotated (stored
     before RoPE, rotated when read), and, for scale, quantized fresh at the new position."""
     n, heads, dim = keys[0].shape
     layers = len(keys)
@@ -205,7 +205,7 @@ def rerope_errors(keys: list[torch.Tensor], dtype: str, shifts: list[int], inv_f
         new = positions + shift
         exact = [rerope_dense(k, shift, inv_freq, old_pos=positions) for k in keys]
         pool, slots = stored(keys)
-        pool.rerope(slots, positions, new, inv_freq)
+        pool.update_keys(slots, moved_keys(positions, new, inv_freq))
         err["requantized"].append(pool.read_keys(slots))
         pool, slots = stored([unrope(k, positions, inv_freq) for k in keys])
         err["unrotated"].append([apply_rope(k.float(), new, inv_freq) for k in pool.read_keys(slots)])

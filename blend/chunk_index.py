@@ -17,10 +17,9 @@ context* (computed after other chunks). Blending corrects only the alone form by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
-from typing import Callable
-
-from radix import MatchResult, OutOfBlocks, RadixCache
+from radix import MatchResult, RadixCache
 
 
 @dataclass
@@ -31,13 +30,25 @@ class ChunkHit:
     alone: bool = True  # the KV was computed with no other chunk before it (see the module docstring)
 
 
+class BlockStore(Protocol):
+    """Where the index's blocks come from and go to: the engine's block manager, the one code that changes
+    the radix tree (blend never imports the server; the block manager fits this)."""
+
+    cache: RadixCache
+
+    def load_prefix(self, tokens: list[int], namespace: bytes) -> object:
+        """Load blocks continuing the cached chain of `tokens` from slower tiers into the cache (so chunks
+        computed before a restart or by another server are found)."""
+
+    def store(self, tokens: list[int], fill: Callable[[list[int]], None], namespace: bytes) -> bool:
+        """Take blocks for `tokens` (whole blocks), let fill(block_ids) write their KV, file them in the
+        tree; False (nothing held) when the pool has no room."""
+
+
 class ChunkIndex:
-    def __init__(self, cache: RadixCache, block_size: int, pad_token: int, min_tokens: int = 32,
-                 pull: Callable[[RadixCache, list[int], bytes], object] | None = None):
-        """pull(cache, tokens, namespace): loads blocks continuing a chain from slower tiers into the cache
-        (the engine's KV tiers), so chunks computed before a restart or by another server are found."""
-        self.cache = cache
-        self.pull = pull
+    def __init__(self, blocks: BlockStore, block_size: int, pad_token: int, min_tokens: int = 32):
+        self.blocks = blocks
+        self.cache = blocks.cache
         self.block_size = block_size
         self.pad_token = pad_token
         self.min_tokens = min_tokens
@@ -60,8 +71,7 @@ class ChunkIndex:
         best = None
         for form in ((True, False) if alone is None else (alone,)):
             chunk_namespace = self.chunk_namespace(namespace, form)
-            if self.pull is not None:
-                self.pull(self.cache, padded, chunk_namespace)
+            self.blocks.load_prefix(padded, chunk_namespace)
             match = self.cache.match(padded, chunk_namespace, record_stats=False)
             if match.num_tokens and (best is None or match.num_tokens > best.match.num_tokens):
                 best = ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match, form)
@@ -84,17 +94,6 @@ class ChunkIndex:
     def store(self, tokens: list[int], fill: Callable[[list[int]], None], namespace: bytes = b"",
               alone: bool = True) -> bool:
         """File the chunk in the given form: take blocks for it, let `fill(block_ids)` write its KV at
-        positions 0..n-1 into them, and hand them to the tree. False (nothing held) when the pool has no room."""
-        try:
-            blocks = self.cache.allocate(self.blocks_needed(tokens))
-        except OutOfBlocks:
-            return False
-        try:
-            fill(blocks)
-        except BaseException:
-            self.cache.free(blocks)
-            raise
-        result = self.cache.insert(self.padded(tokens), blocks, self.chunk_namespace(namespace, alone))
-        if result.duplicate_block_ids:  # filed meanwhile under the same identity
-            self.cache.free(result.duplicate_block_ids)
-        return True
+        positions 0..n-1 into them, and hand them to the tree (an identical chunk filed meanwhile keeps its
+        blocks; ours go back). False (nothing held) when the pool has no room."""
+        return self.blocks.store(self.padded(tokens), fill, self.chunk_namespace(namespace, alone))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.rope import _rotate, apply_rope, rotation_angles, rotation_cos_sin
+from blend.rope import _rotate, apply_rope, rerope_layers_, rotation_angles, rotation_cos_sin
 
 
 def unrope(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -79,3 +79,16 @@ class KeyShiftEstimate:
         if not self.tokens:
             raise ValueError("no tokens were added")
         return KeyShift((self.sum / self.tokens).float())
+
+
+def moved_keys(old_positions: torch.Tensor, new_positions: torch.Tensor, inv_freq: torch.Tensor,
+               shift: KeyShift | None = None):
+    """The key edit a reused chunk needs where it now sits, as the KV pool's `update_keys` takes it
+    (`change(k_caches, slots)`): re-rotate from old_positions to new_positions and, with a shift, add it at
+    new_positions, in one pass, so an 8-bit pool requantizes the moved keys once for both."""
+    def change(k_caches, slots: torch.Tensor) -> None:
+        rerope_layers_(k_caches, slots, old_positions, new_positions, inv_freq)
+        if shift is not None:
+            shift.apply_(k_caches, slots, new_positions, inv_freq)
+
+    return change

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from blend import GradualSchedule, first_tokens_mask, kv_deviation
 from blend.chunk_index import ChunkHit, ChunkIndex
-from blend.key_shift import KeyShift
+from blend.key_shift import KeyShift, moved_keys
 from blend.selection import combine_scores, query_attention, select_top_k
 
 from reuse_server.kv.block_manager import BlockManager, approximate_namespace
@@ -159,7 +159,7 @@ class Blender:
               shift: KeyShift | None = None) -> None:
         # re-RoPE and shift in one pass: an 8-bit pool then rounds the moved keys once
         self.pool.copy_slots(src, dst)
-        self.pool.rerope(dst, old_pos, new_pos, self.inv_freq, shift)
+        self.pool.update_keys(dst, moved_keys(old_pos, new_pos, self.inv_freq, shift))
 
     def _copy_in(self, seq: Sequence, reuses: list[Reuse]) -> None:
         for r in reuses:

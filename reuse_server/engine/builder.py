@@ -92,8 +92,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
                        policy=config.eviction_policy, listener=tiers)
     blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers)
-    chunk_index = ChunkIndex(cache, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens,
-                             pull=tiers.pull if tiers is not None else None)
+    chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,

@@ -6,13 +6,21 @@ tree, which takes ownership; the sequence then locks the deeper node instead. Wh
 last block becomes a tail of that chain. A prompt that leaves the cached chain inside a block (after at
 least one full block) gets, at admission, a copy of the cached block (a tail or a child's first block)
 sharing the most of its tokens, and starts computing after the shared ones.
+
+This is the one code that changes the radix tree: every chain of full blocks goes in through `_file` (a
+tail through `file_tail`), whether a sequence publishes the blocks it computed or `store` files blocks no
+sequence computed (loaded from a tier by `load_prefix`, or a blend chunk the chunk index registers).
+Admission is three steps behind one call (`admit`): `load` (the tiers' blocks continuing the cached chain go
+into the tree; blocks after a hole are found), `match` (match and lock the prefix, pick a partially shared
+block) and `allocate` (take the first slice's blocks, copy the shared block in, load the blocks found after
+the hole).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from radix import OutOfBlocks, RadixCache
+from radix import InsertResult, OutOfBlocks, PartialMatch, RadixCache
 
 from reuse_server.engine.sequence import KVState, Sequence
 
@@ -32,6 +40,21 @@ class Admission:
 
     cached_tokens: int  # prompt tokens not to compute: the device's match and blocks loaded from tiers
     by_tier: dict[str, int] = field(default_factory=dict)  # of those, the tokens each tier below the pool gave
+
+
+@dataclass
+class Loaded:
+    """What the tiers gave an admission: blocks filed to extend the device's chain (tiers.Found, in chain
+    order) and blocks found after a hole ({block index: tiers.Found}, loaded into the sequence's own blocks)."""
+
+    prefix: list = field(default_factory=list)
+    after_hole: dict = field(default_factory=dict)
+
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for found in [*self.prefix, *self.after_hole.values()]:
+            out[found.tier] = out.get(found.tier, 0) + block_size
+        return out
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -104,48 +127,74 @@ class BlockManager:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
-    def admit(self, seq: Sequence, first_chunk_tokens: int, approximate_namespace: bytes | None = None,
+    # ---- admission: load, match, allocate -------------------------------------------------------
+    def admit(self, seq: Sequence, first_slice_tokens: int, approximate_namespace: bytes | None = None,
               fill_holes: bool = True) -> Admission | None:
-        """Match seq's prefix, lock it, and allocate blocks for the first chunk. Returns what the caches
-        served, or None (nothing held) if the pool cannot take it now. With tiers, the blocks continuing the
-        device's chain are pulled up first, and (fill_holes) blocks after a block no tier holds are loaded
-        into seq's own blocks: only the hole is computed. With an approximate_namespace (the request accepts
-        blending with that setting) the prefix may also come from an earlier sequence blended the same way."""
+        """Admit seq: load what the tiers hold of its prompt, match and lock its cached prefix, and allocate
+        blocks for its first slice. Returns what the caches served, or None (nothing held) if the pool cannot
+        take it now. fill_holes: blocks after a block no tier holds are loaded too, into seq's own blocks
+        (only the hole is computed). With an approximate_namespace (the request accepts blending with that
+        setting) the prefix may also come from an earlier sequence blended the same way."""
         kv = seq.kv
         assert not kv.block_table and kv.node is None
-        partial = None
-        by_tier: dict[str, int] = {}
-        found: dict = {}
+        loaded, partial = Loaded(), None
         if self._caches(seq):
             tokens = self._matchable(seq)
-            if self.tiers is not None:
-                by_tier = self.tiers.pull(self.cache, tokens, seq.namespace)
-            match = self.cache.match(tokens, seq.namespace, record_stats=False)
-            namespace = seq.namespace
-            kv.approximate_namespace = approximate_namespace or b""
-            if approximate_namespace is not None:
-                approx = self.cache.match(tokens, approximate_namespace, record_stats=False)
-                if approx.num_tokens > match.num_tokens:
-                    match, namespace = approx, approximate_namespace
-                    kv.approximate = True
-            self.cache.lock(match.node)
-            kv.node = match.node
-            kv.block_table = list(match.block_ids)
-            kv.num_computed = match.num_tokens
-            kv.num_published = len(match.block_ids)
-            if self.tiers is not None and fill_holes and not kv.approximate and approximate_namespace is None:
-                found = self._after_hole(seq, len(match.block_ids))
-            if match.num_tokens and self._reuses_partial_blocks(seq):
-                # The prompt leaves the cached chain inside a block: copy the cached block that shares
-                # the most of its tokens and compute only from the divergence on. Not at the very start:
-                # a few shared template tokens would save nothing and cost the prefill its causal kernel
-                # (it would start at position 3 with a mask).
-                partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
-            if partial is not None:
-                self.cache.lock(partial.node)  # the allocation below must not evict it before the copy
-                kv.num_computed += partial.num_tokens
-        chunk = min(first_chunk_tokens, seq.num_tokens - kv.num_computed)
-        end = max(kv.num_computed + chunk, (max(found) + 1) * self.block_size if found else 0)
+            loaded = self.load(seq, tokens, fill_holes and approximate_namespace is None)
+            partial = self.match(seq, tokens, approximate_namespace)
+        if not self.allocate(seq, first_slice_tokens, partial, loaded.after_hole):
+            return None
+        bs = self.block_size
+        return Admission(kv.num_computed + len(loaded.after_hole) * bs, loaded.tokens_by_tier(bs))
+
+    def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> Loaded:
+        """Admission, first: the tiers' blocks continuing the device's cached chain of seq's prompt go into
+        the pool and the tree (load_prefix); with fill_holes, the blocks after the first block no cache holds
+        are found too (loaded into seq's own blocks once allocate has taken them)."""
+        if self.tiers is None:
+            return Loaded()
+        chain, pulled = self._load_prefix(tokens, seq.namespace)
+        after_hole = self._after_hole(seq, chain) if fill_holes else {}
+        return Loaded(pulled, after_hole)
+
+    def match(self, seq: Sequence, tokens: list[int], approximate_namespace: bytes | None) -> PartialMatch | None:
+        """Admission, second: match seq's prefix (exact, or blended the same way if that is longer), lock it
+        and start seq's block table with it. Returns the cached block sharing the most of the prompt's next
+        block's tokens, locked (allocate copies it and unlocks it), or None."""
+        kv = seq.kv
+        match = self.cache.match(tokens, seq.namespace, record_stats=False)
+        namespace = seq.namespace
+        kv.approximate_namespace = approximate_namespace or b""
+        if approximate_namespace is not None:
+            approx = self.cache.match(tokens, approximate_namespace, record_stats=False)
+            if approx.num_tokens > match.num_tokens:
+                match, namespace = approx, approximate_namespace
+                kv.approximate = True
+        self.cache.lock(match.node)
+        kv.node = match.node
+        kv.block_table = list(match.block_ids)
+        kv.num_computed = match.num_tokens
+        kv.num_published = len(match.block_ids)
+        if not match.num_tokens or not self._reuses_partial_blocks(seq):
+            # Not at the very start: a few shared template tokens would save nothing and cost the prefill its
+            # causal kernel (it would start at position 3 with a mask).
+            return None
+        # The prompt leaves the cached chain inside a block: copy the cached block that shares the most of
+        # its tokens and compute only from the divergence on.
+        partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
+        if partial is not None:
+            self.cache.lock(partial.node)  # allocating must not evict it before the copy
+            kv.num_computed += partial.num_tokens
+        return partial
+
+    def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | None,
+                 after_hole: dict) -> bool:
+        """Admission, last: take blocks for seq's first slice (and up to its last block found after a hole),
+        copy the partially shared block in and load the blocks found after a hole. False (and everything
+        released) when the pool cannot give them."""
+        kv = seq.kv
+        first_slice = min(first_slice_tokens, seq.num_tokens - kv.num_computed)
+        end = max(kv.num_computed + first_slice, (max(after_hole) + 1) * self.block_size if after_hole else 0)
         admitted = self.ensure_capacity(seq, end)
         if partial is not None:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
@@ -153,14 +202,12 @@ class BlockManager:
             self.cache.unlock(partial.node)
         if not admitted:
             self.release(seq)
-            return None
-        if found:
-            indices = sorted(found)
-            self.tiers.load([kv.block_table[i] for i in indices], [found[i] for i in indices])
+            return False
+        if after_hole:
+            indices = sorted(after_hole)
+            self.tiers.load([kv.block_table[i] for i in indices], [after_hole[i] for i in indices])
             kv.filled = set(indices)
-            for f in found.values():
-                by_tier[f.tier] = by_tier.get(f.tier, 0) + self.block_size
-        return Admission(kv.num_computed + len(found) * self.block_size, by_tier)
+        return True
 
     def _after_hole(self, seq: Sequence, first_missing: int) -> dict:
         """Blocks of seq's prompt after its first block that no cache holds, found in the tiers: {block
@@ -170,6 +217,61 @@ class BlockManager:
             return {}
         wanted = self.tiers.wanted(self.cache.hasher, seq.prompt_ids, hashes, seq.namespace, first_missing + 1)
         return self.tiers.fetch(wanted, contiguous=False)
+
+    # ---- blocks filled from outside a sequence: the tiers, the chunk index ----------------------------
+    def load_prefix(self, tokens: list[int], namespace: bytes) -> dict[str, int]:
+        """Load the blocks that continue the device's cached chain of `tokens` (full blocks only) from the
+        tiers into the pool and file them in the radix tree (prefetch, the chunk index, admission). Returns
+        the tokens loaded from each tier."""
+        if self.tiers is None:
+            return {}
+        return Loaded(self._load_prefix(tokens, namespace)[1]).tokens_by_tier(self.block_size)
+
+    def _load_prefix(self, tokens: list[int], namespace: bytes) -> "tuple[int, list]":
+        """(blocks of the device's chain now, the tiers.Found filed to extend it)."""
+        bs = self.block_size
+        match = self.cache.match(tokens, namespace, record_stats=False)
+        have = len(match.block_ids)
+        if have >= len(tokens) // bs:
+            return have, []
+        hashes = self.cache.hasher.hash_blocks(tokens, namespace)
+        found = self.tiers.fetch(self.tiers.wanted(self.cache.hasher, tokens, hashes, namespace, have), contiguous=True)
+        if not found:
+            return have, []
+        ordered = [found[i] for i in range(have, have + len(found))]
+        self.cache.lock(match.node)  # taking blocks must not evict the chain the loaded ones continue
+        try:
+            stored = self.store(tokens[:(have + len(ordered)) * bs], lambda blocks: self.tiers.load(blocks, ordered),
+                                namespace, match.block_ids)
+        finally:
+            self.cache.unlock(match.node)
+        return (have + len(ordered), ordered) if stored else (have, [])
+
+    def store(self, tokens: list[int], fill: Callable[[list[int]], None], namespace: bytes,
+              cached: list[int] = ()) -> bool:
+        """File whole blocks of KV that no sequence computed (loaded from a tier, or a blend chunk) in the
+        tree: the first len(cached) blocks of `tokens` are the tree's already; blocks are taken for the
+        rest, `fill(block_ids)` writes their KV, and the tree takes them. False (nothing held) when the pool
+        has no room."""
+        try:
+            blocks = self.cache.allocate(len(tokens) // self.block_size - len(cached))
+        except OutOfBlocks:
+            return False
+        try:
+            fill(blocks)
+        except BaseException:
+            self.cache.free(blocks)
+            raise
+        self._file(tokens, list(cached) + blocks, namespace)
+        return True
+
+    def _file(self, tokens: list[int], block_ids: list[int], namespace: bytes) -> InsertResult:
+        """The one way blocks go into the radix tree (publish and store): the tree takes the blocks it lacked;
+        those it already held under the same identity (filed meanwhile) are freed."""
+        result = self.cache.insert(tokens, block_ids, namespace)
+        if result.duplicate_block_ids:
+            self.cache.free(result.duplicate_block_ids)
+        return result
 
     def computable(self, seq: Sequence) -> int:
         """Tokens seq can compute next: up to its next block already filled from a tier, or to its end."""
@@ -215,18 +317,16 @@ class BlockManager:
             return
         tokens = seq.token_ids[: full * self.block_size]
         namespace = self.publish_namespace(seq)
-        result = self.cache.insert(tokens, kv.block_table[:full], namespace)
+        result = self._file(tokens, kv.block_table[:full], namespace)
         self.cache.lock(result.node)
         if kv.node is not None:
             self.cache.unlock(kv.node)
         kv.node = result.node
         kv.owned.difference_update(result.inserted_block_ids)
         if result.duplicate_block_ids:
-            # Another sequence published the same blocks first: use the tree's copies, free ours.
-            tree_blocks = self.cache.match(tokens, namespace, record_stats=False).block_ids
-            kv.block_table[:full] = tree_blocks
+            # Another sequence published the same blocks first (ours are freed): use the tree's copies.
+            kv.block_table[:full] = self.cache.match(tokens, namespace, record_stats=False).block_ids
             kv.owned.difference_update(result.duplicate_block_ids)
-            self.cache.free(result.duplicate_block_ids)
         kv.num_published = full
 
     def make_approximate(self, seq: Sequence) -> None:

@@ -1,6 +1,7 @@
 """The paged KV pool: every token's K and V, in fixed-size blocks, in one allocation. The only code that
-touches KV memory: the model writes through it, attention reads through it, blending moves, re-rotates and
-shifts keys through it, and tiers export and import whole blocks through it.
+touches KV memory: the model writes through it, attention reads through it, blending moves keys through it
+and edits them through a callback it passes in (re-RoPE and the key shift are blend's, see update_keys), and
+tiers export and import whole blocks through it (what a block looks like as bytes is block_codec.py's).
 
 A token's KV lives at a *slot*: slot = block_id * block_size + offset. A sequence owns an ordered list of
 block ids (its block table); position p of that sequence lives in block_table[p // block_size] at offset
@@ -24,117 +25,14 @@ a block's scale never depends on a previous owner's tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 
 import torch
-from blend import rerope_layers_
 
-from reuse_server.kv import layout as kv_layout, quant as kv_quant
+from reuse_server.kv import block_codec, layout as kv_layout, quant as kv_quant
+from reuse_server.kv.block_codec import BlockLayout
 
 K, V = 0, 1
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """What an exported block buffer holds, as `nbytes` bytes: the values, [layers, 2 (K, V), block_size,
-    kv_heads, head_dim] of `dtype`, K after RoPE at the block's own positions; then, for the 8-bit dtypes,
-    their fp32 scales: [layers, 2, kv_heads] for fp8 (one per block), [layers, 2, block_size, kv_heads] for
-    int8 (one per token). A value is stored * scale. `nbytes` equals kv_layout's bytes per block."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def scale_shape(self) -> tuple[int, ...] | None:
-        per = kv_quant.scale_per(self.dtype)
-        if per is None:
-            return None
-        tokens = (self.block_size,) if per == "token" else ()
-        return (self.num_layers, 2, *tokens, self.num_kv_heads)
-
-    @property
-    def data_nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def scale_nbytes(self) -> int:
-        return 0 if self.scale_shape is None else _numel(self.scale_shape) * kv_layout.SCALE_BYTES
-
-    @property
-    def nbytes(self) -> int:
-        return self.data_nbytes + self.scale_nbytes
-
-    def with_dtype(self, dtype: "torch.dtype | str") -> "BlockLayout":
-        """The same blocks stored in another KV dtype (a torch dtype or a kv_layout name)."""
-        return BlockLayout(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                           kv_quant.storage_dtype(dtype))
-
-    def describe(self) -> dict:
-        """The layout as plain data, for a tier's self-describing files (from_description reads it back)."""
-        sections = [{"name": "values", "offset": 0, "nbytes": self.data_nbytes, "order": "layer,kv,token,head,dim",
-                     "shape": list(self.shape), "dtype": _name(self.dtype)}]
-        if self.scale_shape is not None:
-            per = kv_quant.scale_per(self.dtype)
-            sections.append({"name": "scales", "offset": self.data_nbytes, "nbytes": self.scale_nbytes,
-                             "order": "layer,kv,token,head" if per == "token" else "layer,kv,head",
-                             "shape": list(self.scale_shape), "dtype": "float32", "per": per,
-                             "value": "stored * scale"})
-        return {"order": "layer,kv,token,head,dim", "shape": list(self.shape), "dtype": _name(self.dtype),
-                "kv_dtype": kv_quant.spec(self.dtype).name, "nbytes": self.nbytes, "sections": sections}
-
-    @classmethod
-    def from_description(cls, description: dict) -> "BlockLayout":
-        layers, _, block_size, heads, head_dim = description["shape"]
-        layout = cls(layers, block_size, heads, head_dim, kv_quant.storage_dtype(description["kv_dtype"]))
-        if layout.describe() != description:
-            raise ValueError(f"not a block layout this version writes: {description}")
-        return layout
-
-    def split(self, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block buffers uint8 [n, nbytes] -> (values [n, *shape] of dtype, scales [n, *scale_shape] fp32 or
-        None); views where the bytes allow."""
-        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != self.nbytes:
-            raise ValueError(f"expected uint8 [n, {self.nbytes}] block buffers, got {data.dtype} {tuple(data.shape)}")
-        n = data.shape[0]
-        values = data[:, :self.data_nbytes].view(self.dtype).view(n, *self.shape)
-        if self.scale_shape is None:
-            return values, None
-        scales = data[:, self.data_nbytes:].contiguous().view(torch.float32).view(n, *self.scale_shape)
-        return values, scales
-
-    def join(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        """The inverse of split: uint8 [n, nbytes], contiguous."""
-        n = values.shape[0]
-        parts = [values.contiguous().view(torch.uint8).view(n, -1)]
-        if scales is not None:
-            parts.append(scales.to(torch.float32).contiguous().view(torch.uint8).view(n, -1))
-        return torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
-
-    def decode(self, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Block buffers -> their K/V values [n, *shape] in `dtype` (dequantized)."""
-        return kv_quant.dequantize_blocks(*self.split(data), dtype)
-
-    def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """K/V values [n, *shape] (any float dtype) -> block buffers in this layout (fresh scales)."""
-        return self.join(*kv_quant.quantize_blocks(values, self.dtype))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class KVPool:
@@ -174,6 +72,7 @@ class KVPool:
                                  device=self.device)
         self._scales = None
         self._native_store = None
+        self._staging: PinnedStaging | None = None  # made at the first export from a CUDA pool
         if self.quantized and native_store and self.device.type == "cpu":
             from reuse_server.model import cpu_kv_store
 
@@ -356,24 +255,10 @@ class KVPool:
             flat_scales = self._scales.view(self.num_layers, 2, self.num_slots, self.num_kv_heads)
             flat_scales[:, :, dst] = flat_scales[:, :, src]
 
-    def rerope(self, slots: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor,
-               inv_freq: torch.Tensor, shift=None) -> None:
-        """Rotate the keys at slots (every layer) from old_positions to new_positions, in place; with a
-        KeyShift (blend.key_shift), then add it at new_positions (an 8-bit pool requantizes once for both)."""
-        def move(caches: list[torch.Tensor], idx: torch.Tensor) -> None:
-            rerope_layers_(caches, idx, old_positions, new_positions, inv_freq)
-            if shift is not None:
-                shift.apply_(caches, idx, new_positions, inv_freq)
-
-        self.update_keys(slots, move)
-
-    def shift_keys(self, shift, slots: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
-        """Add a KeyShift (blend.key_shift), rotated to positions, to the keys at slots of every layer."""
-        self.update_keys(slots, lambda caches, idx: shift.apply_(caches, idx, positions, inv_freq))
-
     def update_keys(self, slots: torch.Tensor, change) -> None:
         """change(k_caches, idx) edits, in place, the keys at idx of per-layer paged key caches ([blocks,
-        block_size, kv_heads, head_dim] each, as blend's re-RoPE and key shift take them): the pool's own
+        block_size, kv_heads, head_dim] each, as blend's re-RoPE and key shift take them; the blender passes
+        the change in, so the pool knows nothing of rotations): the pool's own
         for a plain dtype; for an 8-bit pool, dequantized fp32 copies of the keys at slots, which are then
         requantized with fresh scales (an fp8 block at the scale its old and new tokens need together); an fp16
         or bf16 pool also edits fp32 copies, so that a re-RoPE and a shift round the keys once."""
@@ -460,50 +345,85 @@ class KVPool:
         """The KV of whole blocks, every layer, as bytes: uint8 [n, layout.nbytes], contiguous, on the CPU;
         row i is block i's buffer, laid out as `layout_for(as_dtype)` describes. as_dtype (a torch dtype or a
         kv_layout name): convert to another KV dtype on the way out (fresh scales); None: as stored."""
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        values = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5)
-        scales = None if self._scales is None else self._scales[:, :, ids].movedim(2, 0)
-        target = self.layout_for(as_dtype)
-        if target.dtype == self.dtype:
-            return self.layout.join(values.cpu(), None if scales is None else scales.cpu())
-        return target.encode(kv_quant.dequantize_blocks(values, scales)).cpu()
+        buffers, copied = self.export_blocks_async(blocks, as_dtype)
+        if copied is not None:
+            copied.synchronize()
+        return buffers
 
     def export_blocks_async(self, blocks: list[int],
-                            as_dtype: "torch.dtype | str | None" = None) -> "tuple[torch.Tensor, torch.cuda.Event | None]":
+                            as_dtype: "torch.dtype | str | None" = None) -> "tuple[torch.Tensor, StagedCopy | None]":
         """export_blocks without waiting for the device: on CUDA the blocks are gathered on the device (so their
         ids may be reused by the next step at once: the stream orders that write after the gather) and copied
-        into pinned host memory asynchronously. Returns (buffers, event): the buffers may be read only once
-        event.synchronize() returns (None: ready now, as on the CPU, where the pool already is host memory)."""
-        if self.device.type != "cuda":
-            return self.export_blocks(blocks, as_dtype), None
+        to the host through the pool's pinned staging buffer asynchronously. Returns (buffers, copied): the
+        buffers may be read only once copied.synchronize() returns (None: ready now, as on the CPU, where the
+        pool already is host memory)."""
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
         values = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5)
         scales = None if self._scales is None else self._scales[:, :, ids].movedim(2, 0)
-        target = self.layout_for(as_dtype)
-        if target.dtype == self.dtype:
-            gathered = self.layout.join(values, scales)
-        else:
-            gathered = target.encode(kv_quant.dequantize_blocks(values, scales))
-        host = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(gathered, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        packed = block_codec.pack(values, scales, self.layout, self.layout_for(as_dtype))
+        if self.device.type != "cuda":
+            return packed.cpu(), None
+        if self._staging is None:
+            self._staging = PinnedStaging()
+        return self._staging.copy_out(packed)
 
     def import_blocks(self, blocks: list[int], data: torch.Tensor, layout: BlockLayout | None = None) -> None:
         """Write block buffers (uint8 [n, layout.nbytes], any device) into the given blocks. layout: what
         the buffers hold (export_blocks' layout_for(as_dtype)); another KV dtype than the pool's is
         converted to the pool's (fresh scales). None: the pool's own layout."""
         layout = self.layout if layout is None else layout
-        if layout.with_dtype(self.dtype) != self.layout:
-            raise ValueError(f"block layout {layout} does not fit this pool's blocks {self.layout}")
+        block_codec.check_fits(layout, self.layout)
         if data.dtype != torch.uint8 or tuple(data.shape) != (len(blocks), layout.nbytes):
             raise ValueError(f"expected uint8 [{len(blocks)}, {layout.nbytes}] block buffers, got "
                              f"{data.dtype} {tuple(data.shape)}")
+        values, scales = block_codec.unpack(data.to(self.device), layout, self.layout)
         ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        values, scales = layout.split(data.to(self.device))
-        if layout.dtype != self.dtype:
-            values, scales = kv_quant.quantize_blocks(kv_quant.dequantize_blocks(values, scales), self.dtype)
         self._data[:, :, ids] = values.permute(1, 2, 0, 3, 4, 5)
         if self._scales is not None:
             self._scales[:, :, ids] = scales.movedim(0, 2)
+
+
+class StagedCopy:
+    """One export's device -> host copy through the pinned staging buffer: `synchronize()` waits for the
+    copy into staging and moves the bytes on into the export's own (pageable) buffers, once, from whichever
+    thread asks first (the engine thread before the staging is reused, or a tier's writer)."""
+
+    def __init__(self, event: "torch.cuda.Event", staged: torch.Tensor, out: torch.Tensor):
+        self._event = event
+        self._staged: torch.Tensor | None = staged
+        self._out = out
+        self._lock = threading.Lock()
+
+    def synchronize(self) -> None:
+        with self._lock:
+            if self._staged is None:
+                return
+            self._event.synchronize()
+            self._out.copy_(self._staged)
+            self._staged = None  # the staging buffer may now be reused
+
+
+class PinnedStaging:
+    """The pinned host memory exports from a CUDA pool go through, allocated once (and grown only when an
+    export is larger than any before), instead of a pinned buffer per export that a tier would then hold for
+    as long as it keeps the blocks. An export first settles the one before it (its bytes are still in the
+    staging buffer until they are moved on), which by then has long finished on the device."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._pending: StagedCopy | None = None
+
+    def copy_out(self, packed: torch.Tensor) -> tuple[torch.Tensor, StagedCopy]:
+        if self._pending is not None:
+            self._pending.synchronize()
+        n = packed.numel()
+        if self._buffer is None or self._buffer.numel() < n:
+            grown = 0 if self._buffer is None else 2 * self._buffer.numel()
+            self._buffer = torch.empty(max(n, grown), dtype=torch.uint8, pin_memory=True)
+        staged = self._buffer[:n].view(packed.shape)
+        staged.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        out = torch.empty(packed.shape, dtype=torch.uint8)
+        self._pending = StagedCopy(event, staged, out)
+        return out, self._pending

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from blend.chunk_index import ChunkIndex
 from radix import RadixCache
+from reuse_server.kv.block_manager import BlockManager
 from tiny_checkpoint import build_tokenizer
 
 from blend.chunking import (
@@ -112,7 +113,7 @@ def test_separator_passage_tokens_independent_of_position(tok, where):
 
 
 def test_a_passage_is_found_in_the_chunk_index_wherever_it_appears(tok):
-    idx = ChunkIndex(RadixCache(256, 4), 4, pad_token=10**6, min_tokens=1)
+    idx = ChunkIndex(BlockManager(RadixCache(256, 4), 4), 4, pad_token=10**6, min_tokens=1)
     alone = list(tokenize_chunks(tok, [PASSAGE, "tail"])[0].tokens)
     assert idx.store(alone, lambda blocks: None)
     for before in ([OTHER], [OTHER, QUESTION]):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from blend.chunk_index import ChunkIndex
 from radix import RadixCache
+from reuse_server.kv.block_manager import BlockManager
 
 BS = 4
 
 
 def index(num_blocks=64, min_tokens=4, cache=None) -> ChunkIndex:
-    return ChunkIndex(cache or RadixCache(num_blocks, BS), BS, pad_token=1000, min_tokens=min_tokens)
+    # the block manager files the chunks: the one code that changes the radix tree
+    return ChunkIndex(BlockManager(cache or RadixCache(num_blocks, BS), BS), BS, pad_token=1000, min_tokens=min_tokens)
 
 
 def store(idx: ChunkIndex, tokens, salt=b"", alone=True):

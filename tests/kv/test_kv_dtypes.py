@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.key_shift import KeyShift
+from blend.key_shift import KeyShift, moved_keys
 from blend.rope import default_inv_freq, rerope_dense
 from reuse_server.kv import layout as kv_layout, quant as kv_quant
-from reuse_server.kv.pool import BlockLayout, KVPool
+from reuse_server.kv.block_codec import BlockLayout
+from reuse_server.kv.pool import KVPool
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, FP8, torch.int8]
@@ -164,7 +165,7 @@ def test_rerope_and_key_shift_on_quantized_keys(dtype):
     old, new = torch.arange(6), torch.arange(6) + 1000
     shift = KeyShift(torch.randn(LAYERS, HEADS, DIM, generator=torch.Generator().manual_seed(19)))
     before = [pool.read(layer, torch.arange(pool.num_slots)) for layer in range(LAYERS)]
-    pool.rerope(slots, old, new, inv_freq, shift)
+    pool.update_keys(slots, moved_keys(old, new, inv_freq, shift))
     for layer in range(LAYERS):
         k0 = before[layer][0][slots].float()
         want = rerope_dense(k0, new - old, inv_freq, old_pos=old)
@@ -273,6 +274,7 @@ def test_the_cpu_kernel_quantizes_as_torch_does(dtype):
             pool.write(0, torch.tensor([36 + i % 4]), values(1, 60 + i) * 3.0**i, values(1, 70 + i))
         pool.write(1, torch.tensor([5, 17, 18]), values(3, 80) * 100, values(3, 81) / 100)
         pool.copy_slots(torch.tensor([1, 2, 3, 30]), torch.tensor([44, 45, 12, 13]))
-        pool.rerope(torch.tensor([44, 45, 12]), torch.arange(3), torch.arange(3) + 77, default_inv_freq(DIM))
+        move = moved_keys(torch.arange(3), torch.arange(3) + 77, default_inv_freq(DIM))
+        pool.update_keys(torch.tensor([44, 45, 12]), move)
     assert torch.equal(native._data.view(torch.uint8), plain._data.view(torch.uint8))
     assert torch.equal(native._scales, plain._scales)

@@ -117,3 +117,20 @@ def test_consecutive_blocks_are_read_in_place():
     assert pool.leading_run(table, 5) == (2, 2)  # only the blocks holding positions 0..4 count
     assert pool.leading_run(torch.tensor([5, 2, 3]), 12) == (5, 1)
     assert pool.leading_run(table, 0) == (0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned staging buffer is the CUDA pool's")
+def test_cuda_exports_go_through_one_staging_buffer_and_each_keeps_its_bytes():
+    torch.manual_seed(7)
+    pool = KVPool(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=3, device="cuda")
+    original = pool.layout.encode(torch.randn(8, *pool.layout.shape))
+    pool.import_blocks(list(range(8)), original)
+    first, first_copied = pool.export_blocks_async([0, 1, 2])
+    staging = pool._staging._buffer.data_ptr()
+    second, second_copied = pool.export_blocks_async([5, 6])  # reuses the staging buffer the first went through
+    assert pool._staging._buffer.data_ptr() == staging
+    pool.import_blocks([0, 1, 2, 5, 6], pool.layout.encode(torch.randn(5, *pool.layout.shape)))  # ids reused at once
+    second_copied.synchronize()
+    first_copied.synchronize()
+    assert torch.equal(first, original[[0, 1, 2]]) and torch.equal(second, original[[5, 6]])
+    assert torch.equal(pool.export_blocks([7]), original[[7]])  # the waiting export reads through it too

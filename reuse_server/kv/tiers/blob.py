@@ -27,16 +27,16 @@ class BadBlob(ValueError):
 
 @dataclass(frozen=True)
 class BlockEntry:
-    """A block's identity and its KV bytes (a row of KVPool.export_blocks: uint8, 1-D, on the CPU). Demoted
-    from a CUDA pool, the bytes may still be on their way (`copied`, the copy's event): read them through
-    payload()."""
+    """A block's identity and its KV bytes (a row of KVPool.export_blocks: uint8, 1-D, on the CPU; the rows
+    of one export share one buffer). Demoted from a CUDA pool, the bytes may still be on their way (`copied`,
+    the pool's StagedCopy): read them through payload()."""
 
     hash: bytes
     parent_hash: bytes
     tokens: bytes  # little-endian int32
     namespace: bytes
     kv: torch.Tensor
-    copied: "torch.cuda.Event | None" = None
+    copied: "StagedCopy | None" = None  # reuse_server.kv.pool.StagedCopy
 
     @property
     def nbytes(self) -> int:

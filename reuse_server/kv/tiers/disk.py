@@ -184,5 +184,9 @@ class DiskTier:
                 self._bytes += size
         self._evict_over_budget()
 
+    @property
+    def write_queue_bytes(self) -> int:
+        return self.writer.queued_bytes
+
     def close(self, timeout: float = 10.0) -> bool:
         return self.writer.close(timeout)

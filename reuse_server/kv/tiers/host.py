@@ -1,16 +1,39 @@
 """L1: blocks evicted from the device pool, kept in host RAM under their block hash, least recently used
-out first. On a CUDA server the copies go device -> pinned host memory without the engine waiting for them
+out first. On a CUDA server the copies go device -> host without the engine waiting for them
 (KVPool.export_blocks_async); on a CPU-only server the device pool and this tier are the same RAM, so it is
 a larger extension of the pool that costs a copy to get back into it (a memcpy per block, against
-recomputing it)."""
+recomputing it).
+
+What the byte limit counts is the memory really held. The blocks of one export arrive as rows of one batch
+buffer, and a row keeps its whole batch alive: the batch's memory goes only when its last row does. So a
+batch counts in full while any of its rows is held, and once its rows held fall to half of it or fewer, those
+rows are copied out into buffers of their own and the batch is let go. Counting rows instead would let a few
+hot rows (a hit moves a row to the recent end, away from its batch) keep many times the limit alive; copying
+every row out on arrival would cost a memcpy per block on every demotion (and, on CUDA, a wait for the copy
+the engine did not wait for). Copying at half costs each block at most one copy, and the tier then never
+holds more than twice the bytes its rows need, all of it counted."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Callable
 
 from reuse_server.kv.tiers.blob import BlockEntry
 from reuse_server.kv.tiers.stats import TierStats
+
+
+@dataclasses.dataclass
+class _Batch:
+    nbytes: int  # the whole buffer's bytes
+    rows: set[bytes]  # hashes of the entries held that are rows of it
+    row_bytes: int = 0  # bytes of those rows
+
+
+def _buffer_of(entry: BlockEntry) -> tuple[int, int]:
+    """(identity, bytes) of the memory an entry's KV keeps alive."""
+    storage = entry.kv.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 class HostTier:
@@ -21,7 +44,8 @@ class HostTier:
         self.on_evict = on_evict  # write-back: where entries pushed out of RAM go next
         self.stats = TierStats()
         self._entries: OrderedDict[bytes, BlockEntry] = OrderedDict()
-        self._bytes = 0
+        self._batches: dict[int, _Batch] = {}  # buffer identity -> its rows held
+        self._bytes = 0  # sum of the held batches' whole sizes
         self._lock = threading.Lock()  # /metrics reads sizes from another thread
 
     @property
@@ -30,7 +54,12 @@ class HostTier:
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of the buffers the tier keeps alive (not only its rows')."""
         return self._bytes
+
+    @property
+    def write_queue_bytes(self) -> int:
+        return 0
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
@@ -52,25 +81,53 @@ class HostTier:
             for entry in entries:
                 if entry.nbytes > self.capacity_bytes:
                     continue
-                old = self._entries.pop(entry.hash, None)
-                if old is not None:
-                    self._bytes -= old.nbytes
+                if _buffer_of(entry)[1] > self.capacity_bytes:  # its batch alone would not fit: keep the row alone
+                    entry = dataclasses.replace(entry, kv=entry.payload().clone(), copied=None)
+                self._drop(entry.hash)
                 self._entries[entry.hash] = entry
-                self._bytes += entry.nbytes
+                self._hold(entry)
                 self.stats.written += 1
                 self.stats.written_bytes += entry.nbytes
-            while self._bytes > self.capacity_bytes:
+            while self._bytes > self.capacity_bytes and self._entries:
                 _, old = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes
+                self._let_go(old)
                 evicted.append(old)
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
 
     def discard(self, block_hash: bytes) -> None:
         with self._lock:
-            old = self._entries.pop(block_hash, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+            self._drop(block_hash)
 
-    def close(self, timeout: float = 0.0) -> None:
-        pass
+    def close(self, timeout: float = 0.0) -> bool:
+        return True
+
+    # ---- what is held (under the lock) --------------------------------------------------------
+    def _hold(self, entry: BlockEntry) -> None:
+        key, nbytes = _buffer_of(entry)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = _Batch(nbytes, set())
+            self._bytes += nbytes
+        batch.rows.add(entry.hash)
+        batch.row_bytes += entry.nbytes
+
+    def _drop(self, block_hash: bytes) -> None:
+        old = self._entries.pop(block_hash, None)
+        if old is not None:
+            self._let_go(old)
+
+    def _let_go(self, entry: BlockEntry) -> None:
+        """entry is no longer held: its batch goes with its last row, or its few remaining rows move out."""
+        key, _ = _buffer_of(entry)
+        batch = self._batches[key]
+        batch.rows.discard(entry.hash)
+        batch.row_bytes -= entry.nbytes
+        if batch.rows and 2 * batch.row_bytes > batch.nbytes:
+            return
+        del self._batches[key]
+        self._bytes -= batch.nbytes
+        for h in batch.rows:  # replacing a key keeps its place in the LRU order
+            row = self._entries[h]
+            self._entries[h] = dataclasses.replace(row, kv=row.payload().clone(), copied=None)
+            self._hold(self._entries[h])

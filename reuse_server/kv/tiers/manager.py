@@ -4,10 +4,11 @@ written, and where a prompt's missing blocks are looked for (host RAM, then disk
 - It listens to the radix cache (radix.events): a block evicted from the device pool is copied out to host
   RAM (or, without one and with write-back, to disk) while its KV is still intact; every new full block is
   written through to disk (unless `write_policy` is "back": then only what host RAM evicts) and to Redis.
-- `pull` loads the blocks that continue a prompt's cached chain into the device pool and files them in the
-  radix tree (prefetch, the chunk index, and every admission: the engine then matches them like any block).
-- `fetch` finds blocks anywhere after a hole (a block in no tier): the engine loads them into the
-  sequence's own blocks and recomputes only the hole; their KV depends only on the tokens before them.
+- `fetch` finds a prompt's blocks: those continuing its cached chain (the block manager loads them into the
+  pool and files them in the radix tree, which only the block manager changes: prefetch, the chunk index and
+  every admission), or blocks anywhere after a hole (a block in no tier), which the block manager loads into
+  the sequence's own blocks, so only the hole is recomputed; their KV depends only on the tokens before them.
+  `load` writes what was found into pool blocks.
 - Every block found is checked against what was asked (hash, parent hash, tokens) before it is used, and
   is fetched only where that is measured to be cheaper than recomputing it (tiers/costs.py)."""
 from __future__ import annotations
@@ -17,11 +18,13 @@ import time
 from typing import NamedTuple
 
 import torch
-from radix import BlockRecord, OutOfBlocks, RadixCache, as_token_array
+from radix import BlockRecord, as_token_array
 
 from reuse_server.kv.pool import KVPool
 from reuse_server.kv.tiers.blob import BlockEntry
 from reuse_server.kv.tiers.costs import FetchCosts
+from reuse_server.kv.tiers.stats import Lookups, figures
+from reuse_server.kv.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ class Found(NamedTuple):
 
 
 class KVTiers:
-    def __init__(self, pool: KVPool, host=None, disk=None, remote=None, write_policy: str = "through",
+    def __init__(self, pool: KVPool, host: Tier | None = None, disk: Tier | None = None, remote: Tier | None = None,
+                 write_policy: str = "through",
                  dtype: torch.dtype | None = None):
         """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
         and back."""
@@ -49,7 +53,8 @@ class KVTiers:
             raise ValueError(f"unknown write policy {write_policy!r}; choose {', '.join(WRITE_POLICIES)}")
         self.pool = pool
         self.host, self.disk, self.remote = host, disk, remote
-        self.levels = [t for t in (host, disk, remote) if t is not None]
+        self.levels: list[Tier] = [t for t in (host, disk, remote) if t is not None]
+        self.lookups = {t.name: Lookups() for t in self.levels}  # this class's counts; each tier writes its own stats
         self.write_policy = write_policy
         self.dtype = dtype
         self.layout = pool.layout_for(dtype)
@@ -95,14 +100,15 @@ class KVTiers:
                 ask = self._leading_run(ask, missing)
             if not ask:
                 continue
-            tier.stats.queries += len(ask)
+            lookups = self.lookups[tier.name]
+            lookups.queries += len(ask)
             if not self.costs.worth_fetching(tier.name):
-                tier.stats.declined += len(ask)
+                lookups.declined += len(ask)
                 continue
             start = time.perf_counter()
             got = tier.get([w.hash for w in ask])
             seconds = time.perf_counter() - start
-            tier.stats.read_seconds += seconds
+            lookups.read_seconds += seconds
             self.costs.observe_read(tier.name, len(got), seconds)
             for w in ask:
                 entry = got.get(w.hash)
@@ -110,10 +116,10 @@ class KVTiers:
                     continue
                 if entry.tokens != w.tokens or entry.parent_hash != w.parent_hash:
                     log.warning("%s tier: block %s holds other tokens; dropped", tier.name, w.hash.hex())
-                    tier.stats.corrupt += 1
+                    lookups.mismatched += 1
                     tier.discard(w.hash)
                     continue
-                tier.stats.hits += 1
+                lookups.hits += 1
                 found[w.index] = Found(tier.name, entry)
             missing = [w for w in missing if w.index not in found]
         if contiguous:
@@ -153,40 +159,9 @@ class KVTiers:
         start = time.perf_counter()
         self.pool.import_blocks(blocks, torch.stack([f.entry.payload() for f in found]), self.layout)
         seconds = time.perf_counter() - start
-        for tier in self.levels:
-            share = sum(f.tier == tier.name for f in found) / len(found)
-            tier.stats.read_seconds += seconds * share
-
-    def pull(self, cache: RadixCache, tokens: list[int], namespace: bytes) -> dict[str, int]:
-        """Load the blocks that continue the device's cached chain of `tokens` (full blocks only) from the
-        tiers into the pool and file them in the radix tree. Returns the tokens pulled per tier."""
-        bs = self.pool.block_size
-        n_full = len(tokens) // bs
-        match = cache.match(tokens, namespace, record_stats=False)
-        have = len(match.block_ids)
-        if have >= n_full:
-            return {}
-        hashes = cache.hasher.hash_blocks(tokens, namespace)
-        found = self.fetch(self.wanted(cache.hasher, tokens, hashes, namespace, have), contiguous=True)
-        if not found:
-            return {}
-        cache.lock(match.node)  # allocating must not evict the chain the pulled blocks continue
-        try:
-            try:
-                blocks = cache.allocate(len(found))
-            except OutOfBlocks:
-                return {}
-            ordered = [found[i] for i in range(have, have + len(found))]
-            self.load(blocks, ordered)
-            result = cache.insert(tokens[:(have + len(found)) * bs], list(match.block_ids) + blocks, namespace)
-            if result.duplicate_block_ids:
-                cache.free(result.duplicate_block_ids)
-        finally:
-            cache.unlock(match.node)
-        pulled: dict[str, int] = {}
-        for f in ordered:
-            pulled[f.tier] = pulled.get(f.tier, 0) + bs
-        return pulled
+        for name, lookups in self.lookups.items():
+            share = sum(f.tier == name for f in found) / len(found)
+            lookups.read_seconds += seconds * share
 
     # ---- shared writes -----------------------------------------------------------------------
     def shared_write_mark(self) -> int | None:
@@ -214,10 +189,7 @@ class KVTiers:
     def snapshot(self) -> dict:
         out = {}
         for tier in self.levels:
-            stats = tier.stats.as_dict()
-            stats["blocks"] = getattr(tier, "num_blocks", None)
-            stats["bytes"] = getattr(tier, "used_bytes", None)
-            writer = getattr(tier, "writer", None)
-            stats["write_queue_bytes"] = writer.queued_bytes if writer is not None else 0
+            stats = figures(tier.stats, self.lookups[tier.name])
+            stats.update(blocks=tier.num_blocks, bytes=tier.used_bytes, write_queue_bytes=tier.write_queue_bytes)
             out[tier.name] = stats
         return out

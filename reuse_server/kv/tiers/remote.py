@@ -80,6 +80,14 @@ class RedisTier:
             while len(self._known) > KNOWN_LIMIT:
                 self._known.popitem(last=False)
 
+    @property
+    def num_blocks(self) -> None:
+        return None  # Redis is shared and evicts on its own: what it holds is not known here
+
+    @property
+    def used_bytes(self) -> None:
+        return None
+
     def contains(self, block_hash: bytes) -> bool | None:
         """None: unknown without asking Redis (get asks)."""
         return True if block_hash in self._known else None
@@ -146,6 +154,10 @@ class RedisTier:
         self.stats.written += len(entries)
         self.stats.written_bytes += sum(map(len, blobs))
         self._remember(e.hash for e in entries)
+
+    @property
+    def write_queue_bytes(self) -> int:
+        return self.writer.queued_bytes
 
     def close(self, timeout: float = 10.0) -> bool:
         done = self.writer.close(timeout)
