@@ -195,6 +195,9 @@ class AsyncEngine:
 
     # requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check a request's prompt and parameters (LLMEngine.validate), on the caller's thread: the one check a
+        request gets, before it is admitted, so bad input is refused before any output or KV block. The
+        submissions below take validated input."""
         self.engine.validate(prompt_token_ids, params)
 
     def admit(self, count: int = 1) -> None:
@@ -211,10 +214,23 @@ class AsyncEngine:
             raise QueueFull(waiting, self.max_waiting, count)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache: CacheOptions | None = None, deadline: float | None = None) -> "RequestStream":
-        """Submit a request now and return its outputs' stream. `deadline` is an event-loop time
-        (loop.time()) past which the request is aborted and its stream raises RequestTimedOut."""
-        self.validate_prompt(prompt_token_ids, params)
+                 options: CacheOptions | None = None, deadline: float | None = None) -> "RequestStream":
+        """Submit a validated request (validate_prompt) now and return its outputs' stream. `deadline` is an
+        event-loop time (loop.time()) past which the request is aborted and its stream raises RequestTimedOut."""
+        return self._open("add", request_id, prompt_token_ids, deadline, params, options or CacheOptions())
+
+    def precompute(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
+                   deadline: float | None = None) -> "RequestStream":
+        """Submit a chunk precompute (LLMEngine.precompute): one output, when its chunks are registered."""
+        return self._open("precompute", request_id, prompt_token_ids, deadline, options)
+
+    def prefetch(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
+                 deadline: float | None = None) -> "RequestStream":
+        """Submit a prefetch (LLMEngine.prefetch): one output, once the prompt's cached blocks are up."""
+        return self._open("prefetch", request_id, prompt_token_ids, deadline, options)
+
+    def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
+              *args) -> "RequestStream":
         reason = self.unavailable_reason()
         if reason is not None and not (self.draining and self.dead_reason is None):
             raise EngineDeadError(reason)  # (draining is admit()'s to refuse: in-flight choices still start)
@@ -223,7 +239,7 @@ class AsyncEngine:
         with self._count_lock:
             self._inbox_adds += 1
             self._inbox_tokens += len(prompt_token_ids)
-        self._submit(("add", request_id, list(prompt_token_ids), params, cache or CacheOptions()))
+        self._submit((kind, request_id, list(prompt_token_ids), *args))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -254,15 +270,20 @@ class AsyncEngine:
         try:
             while self._inbox:
                 kind, request_id, *rest = self._inbox.popleft()
-                if kind == "add":
-                    added += 1
-                    added_tokens += len(rest[0])
-                    try:
-                        self.engine.add_request(request_id, *rest)
-                    except Exception as exc:  # validated already; anything here is reported to that request alone
-                        self._send(request_id, exc)
-                else:
+                if kind == "abort":
                     self.engine.abort(request_id)
+                    continue
+                added += 1
+                added_tokens += len(rest[0])
+                try:
+                    if kind == "add":
+                        self.engine.add(request_id, *rest)
+                    elif kind == "precompute":
+                        self.engine.precompute(request_id, *rest)
+                    elif (out := self.engine.prefetch(request_id, *rest)) is not None:
+                        self._send(request_id, out)  # (else the pool was full: it comes from a later step)
+                except Exception as exc:  # validated already; anything here is reported to that request alone
+                    self._send(request_id, exc)
         finally:
             self._count_waiting(added, added_tokens)
 

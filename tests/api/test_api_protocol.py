@@ -105,7 +105,7 @@ def test_cache_options_from_extensions():
                             kv_blend={"enabled": True, "recompute_ratio": 0.25})
     opts = cache_options(req, [(0, 9), (12, 40)])
     assert (opts.prefix_cache, opts.cache_salt, opts.blend, opts.recompute_ratio) == (False, "tenant-a", True, 0.25)
-    assert opts.chunk_spans == [(0, 9), (12, 40)] and not opts.precompute_only
+    assert opts.chunk_spans == [(0, 9), (12, 40)]
     default = cache_options(CompletionRequest(prompt="x"))
     assert (default.prefix_cache, default.cache_salt, default.blend, default.recompute_ratio) == (True, None, None, None)
     assert default.chunk_spans == []
