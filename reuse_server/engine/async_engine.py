@@ -204,9 +204,9 @@ class AsyncEngine:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n
         choices, many precomputed chunks) is admitted only into an empty one, so it is not refused forever.
         Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile."""
-        reason = self.unavailable_reason()
-        if reason is not None:
-            raise (ServerDraining if self.draining and self.dead_reason is None else EngineDeadError)(reason)
+        self._refuse_if_dead()
+        if self.draining:
+            raise ServerDraining(self.unavailable_reason())
         if self.max_waiting is None:
             return
         waiting = self.num_waiting
@@ -229,11 +229,16 @@ class AsyncEngine:
         """Submit a prefetch (LLMEngine.prefetch): one output, once the prompt's cached blocks are up."""
         return self._open("prefetch", request_id, prompt_token_ids, deadline, options)
 
-    def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
-              *args) -> "RequestStream":
+    def _refuse_if_dead(self) -> None:
+        """Raise EngineDeadError unless the engine thread runs and takes work. Draining is admit()'s alone to
+        refuse: choices admitted before the drain began still start."""
         reason = self.unavailable_reason()
         if reason is not None and not (self.draining and self.dead_reason is None):
-            raise EngineDeadError(reason)  # (draining is admit()'s to refuse: in-flight choices still start)
+            raise EngineDeadError(reason)
+
+    def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
+              *args) -> "RequestStream":
+        self._refuse_if_dead()  # what admit() let in may meet a dead engine: its stream must not wait forever
         stream = RequestStream(self, request_id, deadline)
         self._queues[request_id] = stream.queue
         with self._count_lock:

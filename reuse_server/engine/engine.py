@@ -22,8 +22,8 @@ from reuse_server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-# A precompute or prefetch samples nothing; its params only satisfy the sequence's shape.
-PRECOMPUTE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# A precompute or prefetch samples nothing; its params only fill the sequence's field.
+NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class LLMEngine:
@@ -124,7 +124,7 @@ class LLMEngine:
         """Queue a chunk precompute (POST /v1/cache/chunks): the prompt is computed like any prefill, its
         chunks (options.chunk_spans) are registered in the chunk index, and it ends without sampling; its
         last output says what it stored. The caller validated the prompt."""
-        return self.add(request_id, prompt_ids, PRECOMPUTE_PARAMS, options, arrival, generates=False)
+        return self.add(request_id, prompt_ids, NO_SAMPLING, options, arrival, generates=False)
 
     def prefetch(self, request_id: str, prompt_ids: list[int], options: CacheOptions) -> RequestOutput | None:
         """Pull the prompt's cached blocks from the tiers up into the pool and the radix tree now, computing
@@ -135,26 +135,25 @@ class LLMEngine:
         self._check_thread()
         if request_id in self.seqs:
             raise InvalidRequest(f"Duplicate request id {request_id!r}.")
-        seq = Sequence(request_id, list(prompt_ids), PRECOMPUTE_PARAMS, options, generates=False)
-        return self._try_prefetch(seq)
+        seq = Sequence(request_id, list(prompt_ids), NO_SAMPLING, options, generates=False)
+        out = self._prefetch(seq)
+        if out is None:
+            self.seqs[request_id] = seq
+            self.prefetches.append(seq)
+        return out
 
-    def _try_prefetch(self, seq: Sequence) -> RequestOutput | None:
+    def _prefetch(self, seq: Sequence) -> RequestOutput | None:
         # as a request with these options would be admitted: a blending one may match blended KV too
         approximate = self.blender.approximate_namespace(seq) if self.scheduler.blends(seq) else None
         admission = self.blocks.admit(seq, 0, approximate, fill_holes=False)
         if admission is None:
-            if seq.request_id not in self.seqs:
-                self.seqs[seq.request_id] = seq
-                self.prefetches.append(seq)
             return None
         self.blocks.release(seq)
-        if self.prefetches and seq in self.prefetches:
-            self.prefetches.remove(seq)
-            del self.seqs[seq.request_id]
-        seq.usage.cached_tokens, seq.usage.tier_tokens = admission.cached_tokens, dict(admission.by_tier)
         seq.finish_reason = "stop"
         self._observe_end(seq)
-        return self._output(seq, [], "", True, None)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="stop", num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=0,
+                             cached_tokens=admission.cached_tokens, tier_tokens=dict(admission.by_tier))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         self._check_thread()
@@ -182,7 +181,12 @@ class LLMEngine:
         """Schedule, run the forward, sample, and let the scheduler take in the result (Scheduler.update
         advances, stops, finishes and releases); the outputs of the requests with news."""
         self._check_thread()
-        outputs = [out for seq in list(self.prefetches) if (out := self._try_prefetch(seq)) is not None]
+        outputs = []
+        for seq in list(self.prefetches):  # parked prefetches first: their blocks are up before anyone is admitted
+            if (out := self._prefetch(seq)) is not None:
+                self.prefetches.remove(seq)
+                del self.seqs[seq.request_id]
+                outputs.append(out)
         slices = self.scheduler.schedule()
         slices = [c for c in slices if c.num_tokens]
         if not slices:
