@@ -120,12 +120,13 @@ def test_sampling_params_mapping_and_ranges():
             p.logprobs) == (9, 0.0, 0.5, 3, 7, ["\n"], [2], True, 2)
     nulls = sampling_params(CompletionRequest(prompt="x", temperature=None, top_p=None), 16, None)
     assert (nulls.temperature, nulls.top_p, nulls.top_k) == (1.0, 1.0, -1)
+    # the ranges are checked once, with the prompt, by the engine's validate_prompt (which runs validate())
     for field, value in [("temperature", 2.5), ("top_p", 0.0), ("top_k", 0), ("stop", ["a"] * 5)]:
         with pytest.raises(InvalidRequest) as err:
-            sampling_params(CompletionRequest(prompt="x", **{field: value}), 16, None)
+            sampling_params(CompletionRequest(prompt="x", **{field: value}), 16, None).validate()
         assert err.value.param == field
     with pytest.raises(InvalidRequest) as err:
-        sampling_params(CompletionRequest(prompt="x"), 0, None)
+        sampling_params(CompletionRequest(prompt="x"), 0, None).validate()
     assert err.value.param == "max_tokens"
 
 
