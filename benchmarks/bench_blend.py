@@ -44,10 +44,10 @@ class CapturingSampler(Sampler):
         super().__init__()
         self.first_logits: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits, request_ids, params, histories=None):
-        for row, rid in enumerate(request_ids):
-            self.first_logits.setdefault(rid, logits[row].float().clone())
-        return super().sample(logits, request_ids, params, histories)
+    def sample(self, logits, states, params, histories=None):
+        for row, state in enumerate(states):
+            self.first_logits.setdefault(state.request_id, logits[row].float().clone())
+        return super().sample(logits, states, params, histories)
 
 
 @dataclass
@@ -121,8 +121,7 @@ def precompute_passages(engine: LLMEngine, passages: list[str], head: list[int],
     """File each passage in the chunk index, computed alone after `head` (POST /v1/cache/chunks)."""
     for j, passage in enumerate(passages):
         t = list(encode(engine.tokenizer, passage))
-        engine.add_request(f"pre{tag}-{j}", head + t, SamplingParams(max_tokens=1),
-                           CacheOptions(chunk_spans=[(len(head), len(t))], precompute_only=True, blend=False))
+        engine.precompute(f"pre{tag}-{j}", head + t, CacheOptions(chunk_spans=[(len(head), len(t))], blend=False))
     while engine.has_work():
         engine.step()
 

@@ -29,6 +29,7 @@ import torch
 from benchmarks.bench_ttft import served_model, server_process
 from reuse_server.model.loader import load_tokenizer, resolve_model
 from reuse_server.engine.structured_output import Constraint, GrammarCompiler, GrammarMatchers, apply_bitmask_
+from reuse_server.engine.sampler import SamplerState
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
@@ -170,12 +171,12 @@ def sampler_costs(tokenizer, tokens: list[int], repeats: int, batches: list[int]
         steps = []
         for _ in range(repeats):
             matchers, logits = GrammarMatchers(), torch.zeros(batch, len(tokenizer))
-            rids = [f"r{i}" for i in range(batch)]
+            states = [SamplerState(f"r{i}") for i in range(batch)]
             t0 = time.thread_time()
             for token in tokens:
-                matchers.mask_(logits, rids, [grammar] * batch)
-                for rid in rids:
-                    matchers.accept(rid, token)
+                matchers.mask_(logits, states, [grammar] * batch)
+                for state in states:
+                    matchers.accept(state, token)
             steps.append((time.thread_time() - t0) / len(tokens))
         emit(kind="sampler", batch=batch, us_per_step=us(statistics.median(steps)),
              us_per_row=us(statistics.median(steps) / batch))

@@ -2,8 +2,8 @@
 so the first prompt that quotes them (anywhere, in any order) can blend them instead of computing them.
 
 Each chunk is tokenized exactly as a chat text part or a --blend-separator piece is (alone, no special
-tokens), so its key matches theirs. The chunks of one call run concurrently, as ordinary precompute-only
-requests that generate nothing.
+tokens), so its key matches theirs. The chunks of one call run concurrently, each as an engine precompute
+(LLMEngine.precompute): a prefill like any other that registers its chunk and samples nothing.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from reuse_server.api.errors import ModelNotFound
 from reuse_server.api.generation import until_done_or_disconnected
 from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
 from reuse_server.engine.outputs import RequestOutput
-from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest
 
 
 def check_lengths(chunks: list[list[int]], limit: int, opening: int) -> None:
@@ -39,10 +39,8 @@ def start_precompute(engine, opening: list[int], token_ids: list[int], salt: str
                      deadline: float | None):
     # blend=False: a chunk already in the index would otherwise be blended from itself, and a blended
     # chunk is neither registered again nor reported as present.
-    options = CacheOptions(chunk_spans=[(len(opening), len(token_ids))], precompute_only=True, cache_salt=salt,
-                           tenant=tenant, blend=False)
-    return engine.generate(f"chunk-{uuid.uuid4().hex}", opening + token_ids,
-                           SamplingParams(max_tokens=1, temperature=0.0), options, deadline)
+    options = CacheOptions(chunk_spans=[(len(opening), len(token_ids))], cache_salt=salt, tenant=tenant, blend=False)
+    return engine.precompute(f"chunk-{uuid.uuid4().hex}", opening + token_ids, options, deadline)
 
 
 async def last_output(stream) -> RequestOutput:

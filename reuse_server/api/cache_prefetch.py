@@ -1,7 +1,7 @@
 """POST /v1/cache/prefetch: pull a prompt's cached blocks from the tiers below the device pool (host RAM,
 disk, Redis) up into it, ahead of the request that will use them, and say how many of its tokens are now
-resident. It runs as a request that is admitted (which pulls the blocks up and files them in the radix
-tree) and then ends without computing anything."""
+resident. The engine admits the prompt's blocks (which pulls them up and files them in the radix tree) and
+releases them at once, computing nothing (LLMEngine.prefetch)."""
 from __future__ import annotations
 
 import uuid
@@ -28,12 +28,10 @@ async def prefetch(engine, body: CachePrefetchRequest, request: Request) -> Resp
         prompt_ids, _ = await tokenizing.run(render_chat_prompt, tokenizer, body.messages)
     else:
         prompt_ids, _ = await tokenizing.run(completion_prompt, tokenizer, body.prompt, engine.config.blend_separator)
-    params = SamplingParams(max_tokens=1)
-    engine.validate_prompt(prompt_ids, params)  # before any KV block is touched
+    engine.validate_prompt(prompt_ids, SamplingParams(max_tokens=1))  # before any KV block is touched
     engine.admit(1)
-    stream = engine.generate(f"prefetch-{uuid.uuid4().hex}", prompt_ids, params,
-                             CacheOptions(cache_salt=body.cache_salt, tenant=tenant, prefetch_only=True),
-                             request.state.deadline)
+    stream = engine.prefetch(f"prefetch-{uuid.uuid4().hex}", prompt_ids,
+                             CacheOptions(cache_salt=body.cache_salt, tenant=tenant), request.state.deadline)
     try:
         out = await until_done_or_disconnected(last_output(stream), request)
     finally:

@@ -44,7 +44,7 @@ def check_common(body: GenerationRequest) -> None:
 
 
 def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """Build and range-check the sampling parameters; raises InvalidRequest before the engine sees anything."""
+    """The request's sampling parameters (range-checked with the prompt by the engine's validate_prompt)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     defaults = SamplingParams()
     params = SamplingParams(
@@ -62,7 +62,6 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
         repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         logit_bias=token_biases(body.logit_bias),
     )
-    params.validate()
     return params
 
 
@@ -123,11 +122,11 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 def generate_choices(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     cache: CacheOptions, n: int, deadline: float | None = None) -> "ChoiceOutputs":
+                     options: CacheOptions, n: int, deadline: float | None = None) -> "ChoiceOutputs":
     """Admit and start the n choices of a request at once (nothing else is admitted in between); their
     outputs as they come, each with its choice index. Raises (429, 503) before anything is queued."""
     engine.admit(n)
-    return ChoiceOutputs([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, cache,
+    return ChoiceOutputs([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, options,
                                           deadline)
                           for i, p in enumerate(choice_params(params, n))])
 

@@ -195,15 +195,18 @@ class AsyncEngine:
 
     # requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check a request's prompt and parameters (LLMEngine.validate), on the caller's thread: the one check a
+        request gets, before it is admitted, so bad input is refused before any output or KV block. The
+        submissions below take validated input."""
         self.engine.validate(prompt_token_ids, params)
 
     def admit(self, count: int = 1) -> None:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n
         choices, many precomputed chunks) is admitted only into an empty one, so it is not refused forever.
         Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile."""
-        reason = self.unavailable_reason()
-        if reason is not None:
-            raise (ServerDraining if self.draining and self.dead_reason is None else EngineDeadError)(reason)
+        self._refuse_if_dead()
+        if self.draining:
+            raise ServerDraining(self.unavailable_reason())
         if self.max_waiting is None:
             return
         waiting = self.num_waiting
@@ -211,19 +214,37 @@ class AsyncEngine:
             raise QueueFull(waiting, self.max_waiting, count)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache: CacheOptions | None = None, deadline: float | None = None) -> "RequestStream":
-        """Submit a request now and return its outputs' stream. `deadline` is an event-loop time
-        (loop.time()) past which the request is aborted and its stream raises RequestTimedOut."""
-        self.validate_prompt(prompt_token_ids, params)
+                 options: CacheOptions | None = None, deadline: float | None = None) -> "RequestStream":
+        """Submit a validated request (validate_prompt) now and return its outputs' stream. `deadline` is an
+        event-loop time (loop.time()) past which the request is aborted and its stream raises RequestTimedOut."""
+        return self._open("add", request_id, prompt_token_ids, deadline, params, options or CacheOptions())
+
+    def precompute(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
+                   deadline: float | None = None) -> "RequestStream":
+        """Submit a chunk precompute (LLMEngine.precompute): one output, when its chunks are registered."""
+        return self._open("precompute", request_id, prompt_token_ids, deadline, options)
+
+    def prefetch(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
+                 deadline: float | None = None) -> "RequestStream":
+        """Submit a prefetch (LLMEngine.prefetch): one output, once the prompt's cached blocks are up."""
+        return self._open("prefetch", request_id, prompt_token_ids, deadline, options)
+
+    def _refuse_if_dead(self) -> None:
+        """Raise EngineDeadError unless the engine thread runs and takes work. Draining is admit()'s alone to
+        refuse: choices admitted before the drain began still start."""
         reason = self.unavailable_reason()
         if reason is not None and not (self.draining and self.dead_reason is None):
-            raise EngineDeadError(reason)  # (draining is admit()'s to refuse: in-flight choices still start)
+            raise EngineDeadError(reason)
+
+    def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
+              *args) -> "RequestStream":
+        self._refuse_if_dead()  # what admit() let in may meet a dead engine: its stream must not wait forever
         stream = RequestStream(self, request_id, deadline)
         self._queues[request_id] = stream.queue
         with self._count_lock:
             self._inbox_adds += 1
             self._inbox_tokens += len(prompt_token_ids)
-        self._submit(("add", request_id, list(prompt_token_ids), params, cache or CacheOptions()))
+        self._submit((kind, request_id, list(prompt_token_ids), *args))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -254,15 +275,20 @@ class AsyncEngine:
         try:
             while self._inbox:
                 kind, request_id, *rest = self._inbox.popleft()
-                if kind == "add":
-                    added += 1
-                    added_tokens += len(rest[0])
-                    try:
-                        self.engine.add_request(request_id, *rest)
-                    except Exception as exc:  # validated already; anything here is reported to that request alone
-                        self._send(request_id, exc)
-                else:
+                if kind == "abort":
                     self.engine.abort(request_id)
+                    continue
+                added += 1
+                added_tokens += len(rest[0])
+                try:
+                    if kind == "add":
+                        self.engine.add(request_id, *rest)
+                    elif kind == "precompute":
+                        self.engine.precompute(request_id, *rest)
+                    elif (out := self.engine.prefetch(request_id, *rest)) is not None:
+                        self._send(request_id, out)  # (else the pool was full: it comes from a later step)
+                except Exception as exc:  # validated already; anything here is reported to that request alone
+                    self._send(request_id, exc)
         finally:
             self._count_waiting(added, added_tokens)
 

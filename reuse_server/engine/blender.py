@@ -89,14 +89,13 @@ class Blender:
         self.key_shift = key_shift
         self.block_size = pool.block_size
         settings.schedule(settings.recompute_ratio).validate_for(num_layers)
-        self.jobs: dict[str, BlendJob] = {}
         self.registered_chunks = 0
 
     def _spans_ending_after(self, seq: Sequence, pos: int) -> list[tuple[int, int]]:
-        return [(s, n) for s, n in seq.cache.chunk_spans if s + n > pos and n >= self.index.min_tokens]
+        return [(s, n) for s, n in seq.options.chunk_spans if s + n > pos and n >= self.index.min_tokens]
 
     def ratio_for(self, seq: Sequence) -> float:
-        ratio = seq.cache.recompute_ratio
+        ratio = seq.options.recompute_ratio
         return self.settings.recompute_ratio if ratio is None else ratio
 
     def approximate_namespace(self, seq: Sequence) -> bytes:
@@ -132,7 +131,7 @@ class Blender:
         if self.settings.first_tokens:
             always = first_tokens_mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
                                        self.settings.first_tokens, total=n)
-        self.jobs[seq.request_id] = BlendJob(reused, {r.start for r in reuses}, self.ratio_for(seq), always)
+        seq.blend = BlendJob(reused, {r.start for r in reuses}, self.ratio_for(seq), always)
         return True
 
     def _lookup(self, seq: Sequence) -> list[Reuse]:
@@ -153,7 +152,7 @@ class Blender:
     @staticmethod
     def _is_first_chunk(seq: Sequence, start: int) -> bool:
         """Only the prompt's framing comes before the chunk at `start`: its KV there is its alone form."""
-        return bool(seq.cache.chunk_spans) and seq.cache.chunk_spans[0][0] == start
+        return bool(seq.options.chunk_spans) and seq.options.chunk_spans[0][0] == start
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor, old_pos: torch.Tensor, new_pos: torch.Tensor,
               shift: KeyShift | None = None) -> None:
@@ -173,17 +172,17 @@ class Blender:
 
     # ---- run -------------------------------------------------------------------------------
     def blending(self, seq: Sequence) -> bool:
-        return seq.request_id in self.jobs
+        return seq.blend is not None
 
     def needs_probe(self, seq: Sequence) -> bool:
-        job = self.jobs.get(seq.request_id)
+        job = seq.blend
         return (job is not None and not job.probed and bool(self.settings.query_weight)
                 and bool(job.reused.any()) and self.settings.schedule(job.ratio).ratios[0] > 0)
 
     def probe(self, seq: Sequence) -> tuple[list[int], "QuestionProbe"]:
         """The question probe of seq's job: (positions of the prompt's tail after its last reused token, the
         observer to run them through the model with). Its result lands in the job when the pass is done."""
-        job = self.jobs[seq.request_id]
+        job = seq.blend
         job.probed = True
         tail = list(range(int(job.reused.nonzero()[-1]) + 1, seq.num_tokens))
         job.probe = torch.zeros(seq.num_tokens, dtype=torch.float32)
@@ -192,14 +191,14 @@ class Blender:
 
     def selection(self, seq: Sequence, start: int, num_tokens: int) -> "SliceSelection":
         """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
-        job = self.jobs[seq.request_id]
+        job = seq.blend
         end = start + num_tokens
         return SliceSelection(self.pool, self.settings, job, start, end, final=end == seq.num_tokens)
 
     def slice_done(self, seq: Sequence, selection: "SliceSelection") -> None:
         """After the step's forward: count what selection did. Anything not recomputed makes seq's KV
         approximate, so from now on it is filed under its approximate namespace."""
-        job = self.jobs[seq.request_id]
+        job = seq.blend
         job.recomputed += selection.recomputed
         job.blended += selection.num_reused - selection.recomputed
         if job.blended:
@@ -207,8 +206,10 @@ class Blender:
 
     # ---- finish ----------------------------------------------------------------------------
     def finish(self, seq: Sequence) -> BlendJob | None:
-        """seq's prompt is computed, or seq leaves (finish, abort, preemption): close its job."""
-        return self.jobs.pop(seq.request_id, None)
+        """seq's prompt is computed, or seq leaves (finish, abort, preemption): close its job (the scheduler
+        calls this, from one place: Scheduler._close_blend)."""
+        job, seq.blend = seq.blend, None
+        return job
 
     def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:
         """File seq's reusable chunks whose KV is exact and not yet indexed (called once its prompt is

@@ -101,14 +101,17 @@ def build_parts(config: EngineConfig) -> EngineParts:
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, model.rotary.inv_freq, mc.head_dim ** -0.5,
                       key_shift)
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    eos_ids = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    # the longest sequence the engine holds: the context, or the whole pool if smaller
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, blender, config.enable_blend,
-                          config.dedup_prefill)
+                          config.dedup_prefill, eos_ids, min(max_model_len, num_blocks * bs))
     parts = EngineParts(
         config=config, model=model, model_config=mc, tokenizer=tokenizer,
         model_id=config.served_model_name or default_model_id(config.model), weight_dtype=weight_dtype,
         fingerprint=identity,
         attention_kernel=attention_kernel,
-        max_model_len=min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings),
+        max_model_len=max_model_len,
         pool=pool, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
         runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
@@ -143,7 +146,7 @@ def default_model_id(model: str | None) -> str:
 
 def _return_freed_memory() -> None:
     """Give the heap memory that loading freed (dense weights copied into packed layouts, conversion and
-    calibration temporaries) back to the system: glibc keeps freed chunks below its mmap threshold mapped,
+    calibration temporaries) back to the system: glibc keeps freed allocations below its mmap threshold mapped,
     where they would count as resident memory after start."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

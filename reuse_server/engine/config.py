@@ -43,7 +43,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
     max_num_seqs: int = 16  # running sequences at once
-    max_num_batched_tokens: int = 2048  # token budget per scheduler step (chunked prefill)
+    max_num_batched_tokens: int = 2048  # token budget per scheduler step (prompts go in prefill slices)
     max_model_len: int | None = None  # default: the model's max positions
     enable_prefix_cache: bool = True
     dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too

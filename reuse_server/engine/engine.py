@@ -1,5 +1,9 @@
 """The synchronous engine: requests in, one scheduler step at a time, outputs out. Built by
-engine_builder.build_engine; driven by one thread (the AsyncEngine's), which step() asserts."""
+builder.build_engine; driven by one thread (the AsyncEngine's), which step() asserts.
+
+A step: the scheduler picks the work (Scheduler.schedule), the runner computes it in one forward, the
+sampler picks a token for each sequence that generates, and the scheduler takes the result in
+(Scheduler.update: advance, stop, finish, release). The engine turns the news into outputs and counts."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +17,13 @@ from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampler import top_logprobs
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.engine.scheduler import StepOutput
 from reuse_server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# A precompute or prefetch samples nothing; its params only fill the sequence's field.
+NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class LLMEngine:
@@ -38,13 +46,10 @@ class LLMEngine:
         self.runner = parts.runner
         self.sampler = parts.sampler
         self.tiers = parts.tiers
-        mc = self.model_config
-        self.eos_ids = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.vocab_size = mc.vocab_size
-        self.seqs: dict[str, Sequence] = {}
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.eos_ids = self.scheduler.eos_ids  # the scheduler stops on them (builder: the model's and tokenizer's)
+        self.vocab_size = self.model_config.vocab_size
+        self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
+        self.prefetches: list[Sequence] = []  # prefetches the pool could not take yet (see prefetch)
         self.metrics = None  # ServerMetrics, attached by the server
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)
@@ -63,9 +68,12 @@ class LLMEngine:
     @property
     def max_sequence_tokens(self) -> int:
         """The longest sequence the engine can hold: the context, or the whole KV pool if smaller."""
-        return min(self.max_model_len, self.pool.num_blocks * self.config.block_size)
+        return self.scheduler.max_sequence_tokens
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check of a request's prompt and sampling parameters, in one place: an entry point calls it
+        once, before anything is queued (the API's routes through AsyncEngine.validate_prompt, direct
+        callers through add_request)."""
         if not prompt_ids:
             raise InvalidRequest("The prompt is empty.", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -90,82 +98,129 @@ class LLMEngine:
                 "max_tokens", "context_length_exceeded")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    cache: CacheOptions | None = None, arrival: float | None = None) -> Sequence:
-        self._check_thread()
+                    options: CacheOptions | None = None, arrival: float | None = None) -> Sequence:
+        """Validate a request and queue it (for callers that drive the engine directly)."""
         self.validate(prompt_ids, params)
+        return self.add(request_id, prompt_ids, params, options, arrival)
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            options: CacheOptions | None = None, arrival: float | None = None, generates: bool = True) -> Sequence:
+        """Queue a request whose input was validated already (LLMEngine.validate)."""
+        self._check_thread()
         if request_id in self.seqs:
             raise InvalidRequest(f"Duplicate request id {request_id!r}.")
-        seq = Sequence(request_id, list(prompt_ids), params, cache or CacheOptions())
+        seq = Sequence(request_id, list(prompt_ids), params, options or CacheOptions(), generates=generates)
         if arrival is not None:
             seq.arrival = arrival
+        seq.sampling.request_id = request_id
+        if generates:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.seqs[request_id] = seq
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(seq)
         return seq
 
+    def precompute(self, request_id: str, prompt_ids: list[int], options: CacheOptions,
+                   arrival: float | None = None) -> Sequence:
+        """Queue a chunk precompute (POST /v1/cache/chunks): the prompt is computed like any prefill, its
+        chunks (options.chunk_spans) are registered in the chunk index, and it ends without sampling; its
+        last output says what it stored. The caller validated the prompt."""
+        return self.add(request_id, prompt_ids, NO_SAMPLING, options, arrival, generates=False)
+
+    def prefetch(self, request_id: str, prompt_ids: list[int], options: CacheOptions) -> RequestOutput | None:
+        """Pull the prompt's cached blocks from the tiers up into the pool and the radix tree now, computing
+        nothing (POST /v1/cache/prefetch): an admission by the block manager that is released at once. Its
+        output says how many prompt tokens are resident and where they came from. None when the pool cannot
+        take even that now (every block held by running requests): it is tried again before each step, and
+        its output then comes from step(). The caller validated the prompt."""
+        self._check_thread()
+        if request_id in self.seqs:
+            raise InvalidRequest(f"Duplicate request id {request_id!r}.")
+        seq = Sequence(request_id, list(prompt_ids), NO_SAMPLING, options, generates=False)
+        out = self._prefetch(seq)
+        if out is None:
+            self.seqs[request_id] = seq
+            self.prefetches.append(seq)
+        return out
+
+    def _prefetch(self, seq: Sequence) -> RequestOutput | None:
+        # as a request with these options would be admitted: a blending one may match blended KV too
+        approximate = self.blender.approximate_namespace(seq) if self.scheduler.blends(seq) else None
+        admission = self.blocks.admit(seq, 0, approximate, fill_holes=False)
+        if admission is None:
+            return None
+        self.blocks.release(seq)
+        seq.finish_reason = "stop"
+        self._observe_end(seq)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="stop", num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=0,
+                             cached_tokens=admission.cached_tokens, tier_tokens=dict(admission.by_tier))
+
     def abort(self, request_id: str) -> RequestOutput | None:
         self._check_thread()
-        seq = self.seqs.get(request_id)
+        seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
-        seq.finish_reason = "abort"
-        return self._finish(seq, [], "")
+        if seq in self.prefetches:
+            self.prefetches.remove(seq)
+            seq.finish_reason = "abort"
+        else:
+            self.scheduler.abort(seq)
+        self._observe_end(seq)
+        return self._output(seq, [], "", True, None)
 
-    def block_hashes(self, prompt_ids: list[int], cache: CacheOptions | None = None) -> list[bytes]:
+    def block_hashes(self, prompt_ids: list[int], options: CacheOptions | None = None) -> list[bytes]:
         """The identities of the prompt's full blocks as this engine files them: the same in every process and
         on every server with the same model fingerprint (see radix.hashing)."""
-        return self.cache.hasher.hash_blocks(prompt_ids, (cache or CacheOptions()).namespace)
+        return self.cache.hasher.hash_blocks(prompt_ids, (options or CacheOptions()).namespace)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.prefetches)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the forward, sample, and let the scheduler take in the result (Scheduler.update
+        advances, stops, finishes and releases); the outputs of the requests with news."""
         self._check_thread()
-        slices = self.scheduler.schedule()
-        if not slices:
-            return []
         outputs = []
-        for c in slices:
-            usage = c.seq.usage
-            if c.admission is not None and usage.cached_tokens is None:
-                usage.cached_tokens = c.admission.cached_tokens
-                usage.tier_tokens = dict(c.admission.by_tier)
-            if c.seq.cache.prefetch_only:  # admitted: its blocks are up in the pool; nothing to compute
-                c.seq.finish_reason = "stop"
-                outputs.append(self._finish(c.seq, [], ""))
+        for seq in list(self.prefetches):  # parked prefetches first: their blocks are up before anyone is admitted
+            if (out := self._prefetch(seq)) is not None:
+                self.prefetches.remove(seq)
+                del self.seqs[seq.request_id]
+                outputs.append(out)
+        slices = self.scheduler.schedule()
         slices = [c for c in slices if c.num_tokens]
         if not slices:
             return outputs
-        want = [c.seq.num_computed + c.num_tokens == c.seq.num_tokens for c in slices]
+        want = [c.reaches_end for c in slices]
         start = time.perf_counter()
         logits = self._forward(slices, want)  # a row per slice that wants one, in order
         if self.tiers is not None:  # the prefill rate, against which tier fetches are weighed
             prefill = sum(c.num_tokens for c in slices if c.num_tokens > 1)
             if prefill:
                 self.tiers.observe_prefill(prefill, time.perf_counter() - start)
-        pending, row = [], -1
-        for c, w in zip(slices, want):
-            seq = c.seq
-            self.blocks.advance(seq, c.num_tokens)
-            if not w:
-                continue
-            row += 1
-            if not seq.usage.counted:
-                self._prompt_done(seq)
-            if seq.cache.precompute_only:
-                seq.finish_reason = "stop"
-                outputs.append(self._finish(seq, [], ""))
-            else:
-                pending.append((seq, row))
-        if not pending:
-            return outputs
-        picked = logits[[row for _, row in pending]]
-        seqs = [seq for seq, _ in pending]
-        tokens = self.sampler.sample(picked, [s.request_id for s in seqs], [s.params for s in seqs],
-                                     [(s.prompt_ids, s.output_ids) for s in seqs])
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            outputs.append(self._append_token(seq, token, picked[i]))
+        ends = [c.seq for c in slices if c.reaches_end]  # a row of logits each, in order
+        rows = [row for row, seq in enumerate(ends) if seq.generates]
+        seqs = [ends[row] for row in rows]
+        tokens, logprobs = [], {}
+        if seqs:
+            picked = logits[rows]
+            tokens = self.sampler.sample(picked, [s.sampling for s in seqs], [s.params for s in seqs],
+                                         [(s.prompt_ids, s.output_ids) for s in seqs])
+            for i, (seq, token) in enumerate(zip(seqs, tokens)):
+                if seq.params.logprobs is not None:
+                    logprobs[seq] = self._logprobs(picked[i], token, seq.params.logprobs)
+        for update in self.scheduler.update(StepOutput(slices, dict(zip(seqs, tokens)))):
+            seq = update.seq
+            if update.prompt_done:
+                self._count_usage(seq)
+            if update.first_token and self.metrics is not None:
+                self.metrics.observe_ttft(seq.usage.first_token_time - seq.arrival)
+            self.counters["generation_tokens"] += len(update.new_token_ids)
+            finished = seq.finish_reason is not None
+            if finished:
+                del self.seqs[seq.request_id]
+                self._observe_end(seq)
+            outputs.append(self._output(seq, update.new_token_ids, update.new_text, finished, logprobs.get(seq)))
         return outputs
 
     def _forward(self, slices, want: list[bool]) -> torch.Tensor | None:
@@ -182,21 +237,8 @@ class LLMEngine:
             blender.slice_done(slices[i].seq, selection)
         return logits
 
-    def _prompt_done(self, seq: Sequence) -> None:
-        """The prompt's KV is complete for the first time: count its usage, register its chunks."""
-        job = self.blender.finish(seq)
-        usage = seq.usage
-        if job is not None:
-            usage.blended_tokens, usage.recomputed_tokens = job.blended, job.recomputed
-            usage.cached_tokens = (usage.cached_tokens or 0) + job.blended
-        self._count_usage(seq)
-        if seq.cache.precompute_only or self.scheduler.blends(seq):
-            skip = job.chunk_starts if job is not None else set()
-            usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, skip=skip)
-
     def _count_usage(self, seq: Sequence) -> None:
         usage = seq.usage
-        usage.counted = True
         n = len(seq.prompt_ids)
         self.counters["prompt_tokens"] += n
         if self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
@@ -205,47 +247,16 @@ class LLMEngine:
         self.counters["blended_tokens"] += usage.blended_tokens
         self.counters["recomputed_tokens"] += usage.recomputed_tokens
 
-    def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> RequestOutput:
-        now = time.monotonic()
-        if seq.usage.first_token_time is None:
-            seq.usage.first_token_time = now
-            if self.metrics is not None:
-                self.metrics.observe_ttft(now - seq.arrival)
-        seq.output_ids.append(token)
-        self.counters["generation_tokens"] += 1
-        p = seq.params
-        lp = None
-        if p.logprobs is not None:
-            chosen, top = top_logprobs(logits_row, token, p.logprobs)
-            lp = [TokenLogprob(token, self._piece(token), chosen, [(t, self._piece(t), v) for t, v in top])]
-        detok = self.detoks[seq.request_id]
-        is_eos = token in self.eos_ids and not p.ignore_eos
-        if is_eos or token in p.stop_token_ids:
-            new_text = detok.flush()
-            seq.finish_reason = "stop"
-        else:
-            new_text = detok.add(seq.output_ids)
-            if detok.stopped:
-                seq.finish_reason = "stop"
-                new_text += detok.flush()
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_sequence_tokens:
-                seq.finish_reason = "length"
-                new_text += detok.flush()
-        if seq.finish_reason is not None:
-            return self._finish(seq, [token], new_text, lp)
-        return self._output(seq, [token], new_text, False, lp)
+    def _logprobs(self, logits_row: torch.Tensor, token: int, k: int) -> list[TokenLogprob]:
+        chosen, top = top_logprobs(logits_row, token, k)
+        return [TokenLogprob(token, self._piece(token), chosen, [(t, self._piece(t), v) for t, v in top])]
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def _finish(self, seq: Sequence, new_ids: list[int], new_text: str, lp=None) -> RequestOutput:
-        self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
-        self.detoks.pop(seq.request_id, None)
-        self.sampler.forget(seq.request_id)
+    def _observe_end(self, seq: Sequence) -> None:
         if self.metrics is not None:
             self.metrics.observe_request(time.monotonic() - seq.arrival, seq.finish_reason)
-        return self._output(seq, new_ids, new_text, True, lp)
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], new_text: str, finished: bool, lp) -> RequestOutput:

@@ -1,6 +1,13 @@
 """Turn a batch of next-token logits into tokens: penalties and logit bias, grammar masks (constrained
-output), then greedy, temperature, top-k, top-p, per-request seeds."""
+output), then greedy, temperature, top-k, top-p, per-request seeds.
+
+What a request's sampling remembers from one token to the next (its seeded generator, its grammar matcher)
+is a SamplerState that hangs on the request (Sequence.sampling): it lives and goes with the request, and a
+preempted request keeps it, as it keeps its output tokens."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -8,28 +15,33 @@ from reuse_server.engine.sampling_params import SamplingParams
 from reuse_server.engine.structured_output import GrammarMatchers
 
 
+@dataclass(eq=False)
+class SamplerState:
+    """One request's sampling state, written by the sampler alone."""
+
+    request_id: str = ""  # for the log only
+    generator: torch.Generator | None = None  # made from the seed at the first sampled token
+    matcher: Any = field(default=None, repr=False)  # the grammar's xgrammar matcher, made at the first token
+    unconstrained: bool = False  # the grammar refused a sampled token: the rest goes unconstrained
+
+
 class Sampler:
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
         self._grammars = GrammarMatchers()
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-        self._grammars.forget(request_id)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+    @staticmethod
+    def _generator(state: SamplerState, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
             return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(params.seed)
-            self._generators[request_id] = gen
-        return gen
+        if state.generator is None:
+            state.generator = torch.Generator().manual_seed(params.seed)
+        return state.generator
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+    def sample(self, logits: torch.Tensor, states: list[SamplerState], params: list[SamplingParams],
                histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
-        """logits: [N, vocab] fp32 on any device; histories: per row (prompt ids, output ids so far), needed
-        when a row's params have penalties. Returns one token id per row."""
+        """logits: [N, vocab] fp32 on any device; states: per row its request's SamplerState (kept by the
+        caller from one token to the next); histories: per row (prompt ids, output ids so far), needed when a
+        row's params have penalties. Returns one token id per row."""
         logits = logits.float().cpu()
         constrained = any(p.grammar is not None for p in params)
         if constrained or any(p.adjusts_logits for p in params):
@@ -39,18 +51,18 @@ class Sampler:
                     prompt_ids, output_ids = histories[row] if histories is not None else ([], [])
                     adjust_logits(logits[row], p, prompt_ids, output_ids)
         if constrained:
-            self._grammars.mask_(logits, request_ids, [p.grammar for p in params])
+            self._grammars.mask_(logits, states, [p.grammar for p in params])
         out: list[int] = []
         greedy = logits.argmax(dim=-1).tolist()
-        for row, (rid, p) in enumerate(zip(request_ids, params)):
+        for row, (state, p) in enumerate(zip(states, params)):
             if p.greedy:
                 out.append(greedy[row])
                 continue
-            out.append(self._sample_row(logits[row], p, self._generator(rid, p)))
+            out.append(self._sample_row(logits[row], p, self._generator(state, p)))
         if constrained:
-            for rid, p, token in zip(request_ids, params, out):
+            for state, p, token in zip(states, params, out):
                 if p.grammar is not None:
-                    self._grammars.accept(rid, token)
+                    self._grammars.accept(state, token)
         return out
 
     @staticmethod

@@ -1,4 +1,6 @@
-"""What a request asks of generation. Validated here so every entry point rejects the same bad input."""
+"""What a request asks of generation (SamplingParams) and of the caches (CacheOptions, a request's `options`).
+The parameters' range checks live here; LLMEngine.validate runs them with the prompt's checks, once per
+request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -101,8 +103,6 @@ class CacheOptions:
     # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a
     # separator-delimited piece): what the chunk index registers and looks up
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)
-    precompute_only: bool = False  # compute the prompt, register its chunks, generate nothing
-    prefetch_only: bool = False  # pull the prompt's cached blocks up to the device pool, compute nothing
 
     @property
     def namespace(self) -> bytes:

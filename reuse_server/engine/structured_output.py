@@ -5,10 +5,10 @@ of api/tools.py) by masking, before each sampled token, every token the grammar 
   takes milliseconds to seconds, so the HTTP handler calls it off the engine thread; compiled grammars
   are kept in xgrammar's own cache, keyed by the constraint's text, so an agent that sends the same
   tools or schema on every step compiles them once.
-- `GrammarMatchers` (owned by the sampler) keeps one matcher per constrained request, fills one bitmask
-  for all of a batch's constrained rows and applies it to their logits in one operation, and advances a
-  request's matcher by each token sampled for it. A preempted request keeps its output tokens, so its
-  matcher stays valid; the sampler's `forget` drops it when the request ends.
+- `GrammarMatchers` (the sampler's grammar step) makes one matcher per constrained request, kept in the
+  request's SamplerState, fills one bitmask for all of a batch's constrained rows and applies it to their
+  logits in one operation, and advances a request's matcher by each token sampled for it. A preempted
+  request keeps its output tokens, so its matcher stays valid; it goes when the request goes.
 - Text the grammar forces (a tool call's `<tool_call>\n{"name": "f", "arguments": `) is written in the
   tokenizer's own tokens: the mask lets through only the first token of the forced text's tokenization,
   not every prefix of it. A model left to choose splits it its own way (`s`, `ear`, `ch` for `search`);
@@ -145,28 +145,27 @@ def _only_canonical_token(matcher, encode: Callable[[str], list[int]], row: torc
 
 
 class GrammarMatchers:
-    """Per-request grammar state for the sampler."""
+    """The grammar step of the sampler. Each request's matcher lives in its SamplerState (sampler.py), on the
+    request itself; this only makes, masks and advances them."""
 
-    def __init__(self) -> None:
-        self._matchers: dict[str, Any] = {}  # None: the request gave up its constraint (see accept)
-
-    def forget(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
-
-    def _matcher(self, request_id: str, grammar: Grammar):
-        if request_id not in self._matchers:
+    @staticmethod
+    def _matcher(state, grammar: Grammar):
+        if state.unconstrained:
+            return None
+        if state.matcher is None:
             import xgrammar as xgr
 
-            self._matchers[request_id] = xgr.GrammarMatcher(grammar.compiled)
-        return self._matchers[request_id]
+            state.matcher = xgr.GrammarMatcher(grammar.compiled)
+        return state.matcher
 
-    def mask_(self, logits: torch.Tensor, request_ids: list[str], grammars: list[Grammar | None]) -> None:
-        """Mask, in place, the rows whose grammar is not None (and not already complete)."""
+    def mask_(self, logits: torch.Tensor, states: list, grammars: list[Grammar | None]) -> None:
+        """Mask, in place, the rows whose grammar is not None (and not already complete); states: per row its
+        request's SamplerState."""
         rows, matchers, encoders = [], [], []
-        for row, (rid, grammar) in enumerate(zip(request_ids, grammars)):
+        for row, (state, grammar) in enumerate(zip(states, grammars)):
             if grammar is None:
                 continue
-            matcher = self._matcher(rid, grammar)
+            matcher = self._matcher(state, grammar)
             if matcher is not None and not matcher.is_terminated():
                 rows.append(row)
                 matchers.append(matcher)
@@ -184,12 +183,13 @@ class GrammarMatchers:
         if masked:
             apply_bitmask_(logits, bitmask[masked] if len(masked) < len(rows) else bitmask, [rows[i] for i in masked])
 
-    def accept(self, request_id: str, token: int) -> None:
-        matcher = self._matchers.get(request_id)
+    @staticmethod
+    def accept(state, token: int) -> None:
+        matcher = None if state.unconstrained else state.matcher
         if matcher is None or matcher.is_terminated():
             return
         if not matcher.accept_token(token):
             # Only a token the mask allowed is sampled; if the matcher still refuses it, generation goes on
             # unconstrained rather than failing the request.
-            log.warning("request %s: the grammar refused token %d; no longer constrained", request_id, token)
-            self._matchers[request_id] = None
+            log.warning("request %s: the grammar refused token %d; no longer constrained", state.request_id, token)
+            state.matcher, state.unconstrained = None, True

@@ -1,6 +1,6 @@
 """Attention of an arbitrary set of query tokens against the paged KV pool.
 
-One code path serves prefill, chunked prefill, decode and blending: a step is a flattened batch of query
+One code path serves prefill, prefill slices, decode and blending: a step is a flattened batch of query
 tokens, each with its own position; every query token attends to the keys of its sequence at positions
 <= its own (and < the sequence's context length). Query positions of a sequence need not be contiguous."""
 
@@ -75,7 +75,7 @@ class _SequenceMask:
     is_causal: bool  # queries are exactly positions 0..ctx-1 in order: SDPA's own causal mask is right
     mask: torch.Tensor | None  # additive [n, ctx]: 0 = may attend, -inf = not; None when nothing is masked
     # With a mask, queries in ascending position order are attended in groups: (first row, end row, keys),
-    # each group against only the keys its last query can see (scattered blended queries or a chunk deep
+    # each group against only the keys its last query can see (scattered blended queries or a prefill slice deep
     # in a long context would otherwise score every key and mask half of them away).
     groups: list[tuple[int, int, int]] | None = None
     first_query: int = 0  # the lowest query position
@@ -97,8 +97,9 @@ class _SequenceMask:
 MIN_GROUP_ROWS = 32
 MAX_GROUPS = 8
 # Up to this many query rows, the query heads sharing a KV head are folded into one head's rows
-# (_attend_folded): the fused CPU kernel then runs 3x fewer, taller blocks. 17 queries over 4,097 keys,
-# SmolLM2's 9/3 heads: 1.55 -> 1.33 ms a layer; from 2 to 128 rows never slower. One row: slightly slower.
+# (_attend_folded): the fused CPU kernel then runs fewer, taller blocks (as many times fewer as heads share a
+# KV head), which was faster from 2 rows to this many and slightly slower for one (BENCHMARKS.md, "CPU
+# kernel choices").
 FOLD_MAX_ROWS = 128
 # A few queries after a long cached prefix whose blocks are consecutive ids except the last few (the usual
 # shape of a warm request: the matched blocks came out of the pool in order, the new ones did not) attend the

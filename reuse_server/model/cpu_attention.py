@@ -4,9 +4,8 @@ arithmetic over a pool stored in any of the KV dtypes (the 8-bit ones with their
 torch's CPU attention needs K/V as dense tensors, so a paged pool costs a gather per layer (or a view where a
 sequence's blocks happen to be consecutive), and its flash kernel spends its time in small MKL products that
 take a generic path on AMD CPUs. The kernel reads K/V in place through the block table and keeps the query
-heads that share a KV head as one set of rows. Measured on this project's 2-core EPYC VM against the torch
-path: 17 new tokens over 4,097 cached keys 1.7x faster a layer, a causal 2,048-token prefill 1.4x, decode
-batches several times (BENCHMARKS.md)."""
+heads that share a KV head as one set of rows: faster than the torch path for a warm request's new tokens, a
+causal prefill and decode batches alike (BENCHMARKS.md, "CPU kernel choices")."""
 
 from __future__ import annotations
 

@@ -2,10 +2,9 @@
 
 torch's fp32 `F.linear` on the CPU calls MKL's sgemm, which on AMD CPUs takes a generic path. For the few-row
 products that decode steps and a warm request's new tokens are made of, oneDNN's matmul on a weight reordered
-once (what torch's inductor does for frozen CPU graphs) measured about 2x faster on this project's EPYC VM, and
-the output head 2.3x; at thousands of rows (a cold prefill) it is ~13% faster. The native kernel on weights
-packed into 64-column panels is faster again at few rows (the layers of a SmolLM2 step, 30 layers: 17 rows
-29.1 -> 21.7 ms, one row 23.5 -> 14.2 ms) and level with oneDNN at 512 to 4,096 rows. The dense weight is
+once (what torch's inductor does for frozen CPU graphs) is faster, and still somewhat faster at thousands of
+rows (a cold prefill). The native kernel on weights packed into 64-column panels is faster again at few rows
+and level with oneDNN at hundreds to thousands (the figures: BENCHMARKS.md, "CPU kernel choices"). The dense weight is
 dropped after packing, so the weights are not held twice — except the output head of a tied-embedding model,
 which needs the embedding table dense for lookups and a packed copy for the head.
 

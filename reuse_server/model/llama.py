@@ -54,8 +54,8 @@ class Attention(nn.Module):
 
     def pack_qkv_for_cpu(self, kind: str = "native") -> int:
         """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one call instead
-        of three (17 rows x 30 layers on oneDNN: 28.6 -> 26.4 ms of linear layers; k/v's 192 outputs alone
-        split unevenly over two threads). Returns how many linear layers it replaced (0 or 3)."""
+        of three (k's and v's few outputs alone split unevenly over the threads; BENCHMARKS.md, "CPU kernel
+        choices"). Returns how many linear layers it replaced (0 or 3)."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if not all(isinstance(p, nn.Linear) for p in projections):
             return 0
@@ -118,7 +118,7 @@ class MLP(nn.Module):
     def pack_gate_up(self) -> int:
         """Gate and up projections as one native product of their stacked weights, gated by one native pass
         (the native kernel's panels make the stacked product cost what the two did; oneDNN's stacked product ran
-        a cold prefill's rows 15% slower, so it keeps two). Returns how many linear layers it replaced."""
+        a cold prefill's rows slower, so it keeps two). Returns how many linear layers it replaced."""
         if not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
             return 0
         if self.backend.ops is None or packer(self.gate_proj.weight, "native") is not NativeLinear:
@@ -161,8 +161,8 @@ class DecoderLayer(nn.Module):
 
 
 class RowSelection:
-    """Which of a forward's tokens each layer computes: the one forward serves prefill, decode, chunked
-    prefill and blending, and blending only chooses rows. At every layer every current token's K/V is written;
+    """Which of a forward's tokens each layer computes: the one forward serves prefill, decode, prefill
+    slices and blending, and blending only chooses rows. At every layer every current token's K/V is written;
     `rows` may then keep some of them for that layer's attention and MLP, and later layers see only those."""
 
     def rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

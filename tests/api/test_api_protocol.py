@@ -105,7 +105,7 @@ def test_cache_options_from_extensions():
                             kv_blend={"enabled": True, "recompute_ratio": 0.25})
     opts = cache_options(req, [(0, 9), (12, 40)])
     assert (opts.prefix_cache, opts.cache_salt, opts.blend, opts.recompute_ratio) == (False, "tenant-a", True, 0.25)
-    assert opts.chunk_spans == [(0, 9), (12, 40)] and not opts.precompute_only
+    assert opts.chunk_spans == [(0, 9), (12, 40)]
     default = cache_options(CompletionRequest(prompt="x"))
     assert (default.prefix_cache, default.cache_salt, default.blend, default.recompute_ratio) == (True, None, None, None)
     assert default.chunk_spans == []
@@ -120,12 +120,13 @@ def test_sampling_params_mapping_and_ranges():
             p.logprobs) == (9, 0.0, 0.5, 3, 7, ["\n"], [2], True, 2)
     nulls = sampling_params(CompletionRequest(prompt="x", temperature=None, top_p=None), 16, None)
     assert (nulls.temperature, nulls.top_p, nulls.top_k) == (1.0, 1.0, -1)
+    # the ranges are checked once, with the prompt, by the engine's validate_prompt (which runs validate())
     for field, value in [("temperature", 2.5), ("top_p", 0.0), ("top_k", 0), ("stop", ["a"] * 5)]:
         with pytest.raises(InvalidRequest) as err:
-            sampling_params(CompletionRequest(prompt="x", **{field: value}), 16, None)
+            sampling_params(CompletionRequest(prompt="x", **{field: value}), 16, None).validate()
         assert err.value.param == field
     with pytest.raises(InvalidRequest) as err:
-        sampling_params(CompletionRequest(prompt="x"), 0, None)
+        sampling_params(CompletionRequest(prompt="x"), 0, None).validate()
     assert err.value.param == "max_tokens"
 
 

@@ -39,8 +39,7 @@ def drain(engine: LLMEngine) -> dict:
 
 
 def precompute(engine: LLMEngine, chunk: list[int], rid: str) -> int:
-    engine.add_request(rid, chunk, SamplingParams(max_tokens=1, temperature=0.0),
-                       CacheOptions(chunk_spans=[(0, len(chunk))], precompute_only=True))
+    engine.precompute(rid, chunk, CacheOptions(chunk_spans=[(0, len(chunk))]))
     return drain(engine)[rid][2].chunk_tokens_stored
 
 
@@ -124,7 +123,7 @@ def test_reused_keys_are_rotated_to_their_new_positions(checkpoint, kv_dtype, to
     seq = engine.seqs["x"]
     assert engine.blocks.admit(seq, len(ids)).cached_tokens == 0
     assert engine.blender.admit(seq)  # the chunks are found and copied in
-    reused = engine.blender.jobs["x"].reused
+    reused = seq.blend.reused
     assert reused.nonzero().flatten().tolist() == [p for start, n in spans for p in range(start, start + n)]
     for start, n in spans:
         n = min(n, k_full.shape[1] - start)  # the reference holds full blocks only

@@ -126,8 +126,7 @@ def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
     texts = HELD_OUT[:2] + [HELD_OUT[2].replace(". ", f". {NEEDLE} ", 1)] + HELD_OUT[3:]  # a needle in passage 2
     for i, text in enumerate(texts):  # precomputed alone after the opening, as POST /v1/cache/chunks does
         t = list(encode(tok, text))
-        engine.add_request(f"pre{i}", opening + t, SamplingParams(max_tokens=1),
-                           CacheOptions(chunk_spans=[(len(opening), len(t))], precompute_only=True))
+        engine.precompute(f"pre{i}", opening + t, CacheOptions(chunk_spans=[(len(opening), len(t))]))
     while engine.has_work():
         engine.step()
     kls = []

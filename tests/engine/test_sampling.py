@@ -7,7 +7,7 @@ import torch
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.builder import build_engine
-from reuse_server.engine.sampler import Sampler, adjust_logits
+from reuse_server.engine.sampler import Sampler, SamplerState, adjust_logits
 from reuse_server.engine.sampling_params import InvalidRequest, SamplingParams
 from tiny_checkpoint import build_tokenizer, write_tiny_checkpoint
 
@@ -17,22 +17,22 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     s = Sampler()
     greedy = logits.argmax(-1).tolist()
     for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
-        assert s.sample(logits, [f"r{i}" for i in range(6)], [params] * 6) == greedy
+        assert s.sample(logits, [SamplerState() for _ in range(6)], [params] * 6) == greedy
 
 
 def test_top_k_never_samples_outside_the_k_best():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
     best = set(torch.topk(logits, 3).indices.tolist())
     s = Sampler()
-    seen = {s.sample(logits[None], [f"r{i}"], [SamplingParams(temperature=2.0, top_k=3)])[0] for i in range(200)}
+    seen = {s.sample(logits[None], [SamplerState()], [SamplingParams(temperature=2.0, top_k=3)])[0] for i in range(200)}
     assert seen <= best and len(seen) > 1
 
 
 def test_seed_makes_sampling_reproducible_and_differs_between_seeds():
     logits = torch.zeros(1, 1000)  # uniform: any token is possible
     def draw(seed):
-        s = Sampler()
-        return [s.sample(logits, ["x"], [SamplingParams(temperature=1.0, seed=seed)])[0] for _ in range(20)]
+        s, state = Sampler(), SamplerState()  # the request's state carries its generator from token to token
+        return [s.sample(logits, [state], [SamplingParams(temperature=1.0, seed=seed)])[0] for _ in range(20)]
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 
@@ -57,8 +57,8 @@ def test_sampler_applies_penalties_before_the_greedy_choice():
     logits = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]])
     plain, penalized = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=0.2)
     histories = [([], [0]), ([], [0])]
-    assert Sampler().sample(logits, ["a", "b"], [plain, penalized], histories) == [0, 1]
-    assert Sampler().sample(logits, ["c"], [SamplingParams(temperature=0.0, logit_bias={2: 5.0})]) == [2]
+    assert Sampler().sample(logits, [SamplerState(), SamplerState()], [plain, penalized], histories) == [0, 1]
+    assert Sampler().sample(logits, [SamplerState()], [SamplingParams(temperature=0.0, logit_bias={2: 5.0})]) == [2]
     assert torch.equal(logits, torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]]))  # the caller's logits are kept
 
 

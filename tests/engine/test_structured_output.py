@@ -9,7 +9,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from reuse_server.engine.sampler import Sampler
+from reuse_server.engine.sampler import Sampler, SamplerState
 from reuse_server.engine.sampling_params import InvalidRequest, SamplingParams
 from reuse_server.engine.structured_output import Constraint, GrammarCompiler, apply_bitmask_
 from tiny_checkpoint import build_tokenizer
@@ -58,13 +58,14 @@ def generate(sampler, tokenizer, request_params: dict[str, SamplingParams], seed
     """Sample every request from random logits (a batch per step) until each ends with EOS; their texts."""
     gen = torch.Generator().manual_seed(seed)
     outputs = {rid: [] for rid in request_params}
+    states = {rid: SamplerState(rid) for rid in request_params}  # each request's, kept from token to token
     live = list(request_params)
     for _ in range(max_steps):
         if not live:
             break
         logits = torch.randn(len(live), len(tokenizer), generator=gen) * 3
         raw = logits.clone()
-        tokens = sampler.sample(logits, live, [request_params[r] for r in live])
+        tokens = sampler.sample(logits, [states[r] for r in live], [request_params[r] for r in live])
         assert torch.equal(logits, raw), "the caller's logits (used for logprobs) stay as they were"
         for rid, token in zip(list(live), tokens):
             if token == tokenizer.eos_token_id:
@@ -89,7 +90,7 @@ def test_constrained_rows_follow_their_grammar_in_a_mixed_batch(grammars, tokeni
         jsonschema.validate(json.loads(texts[rid]), SCHEMA)
     # the unconstrained row of a mixed batch is chosen from its raw logits
     logits = torch.randn(3, len(tokenizer), generator=torch.Generator().manual_seed(seed))
-    tokens = sampler.sample(logits, ["free", "o1", "greedy-2"],
+    tokens = sampler.sample(logits, [SamplerState("free"), SamplerState("o1"), SamplerState("greedy-2")],
                             [params["free"], SamplingParams(temperature=0.0, grammar=obj), params["greedy-json"]])
     assert tokens[0] == int(logits[0].argmax())
     assert tokenizer.decode([tokens[1]]).startswith("{") and tokenizer.decode([tokens[2]]).startswith("{")
@@ -100,12 +101,13 @@ def test_a_matcher_lives_as_long_as_its_request(grammars, tokenizer):
     sampler = Sampler()
     p = SamplingParams(temperature=0.0, grammar=grammar)
     logits = torch.zeros(1, len(tokenizer))
-    first = sampler.sample(logits, ["r"], [p])[0]
+    request = SamplerState("r")
+    first = sampler.sample(logits, [request], [p])[0]
     assert tokenizer.decode([first]) and '"Paris"'.startswith(tokenizer.decode([first]))
-    second = sampler.sample(logits, ["r"], [p])[0]  # the matcher moved on: the next piece of the same string
+    second = sampler.sample(logits, [request], [p])[0]  # the matcher moved on: the next piece of the same string
     assert '"Paris"'.startswith(tokenizer.decode([first, second]))
-    sampler.forget("r")
-    assert sampler.sample(logits, ["r"], [p])[0] == first  # a new request under the same id starts over
+    assert request.matcher is not None
+    assert sampler.sample(logits, [SamplerState("r")], [p])[0] == first  # a new request (same id) starts over
 
 
 def test_compiled_grammars_are_cached(grammars):
@@ -146,11 +148,11 @@ def test_free_text_before_a_tool_call_is_sampled_from_the_raw_logits(grammars, t
     seed = random.randrange(2**32)
     print("seed", seed)
     gen = torch.Generator().manual_seed(seed)
-    sampler = Sampler()
+    sampler, states = Sampler(), [SamplerState("auto"), SamplerState("json")]
     for step in range(5):
         logits = torch.randn(2, len(tokenizer), generator=gen)
         logits[:, tokenizer.convert_tokens_to_ids("<")] = -50.0  # stay in free text
-        tokens = sampler.sample(logits, ["auto", "json"], [SamplingParams(temperature=0.0, grammar=auto),
+        tokens = sampler.sample(logits, states, [SamplingParams(temperature=0.0, grammar=auto),
                                                              SamplingParams(temperature=0.0, grammar=json_row)])
         assert tokens[0] == int(logits[0].argmax())
         if step == 0:
@@ -167,10 +169,10 @@ def test_forced_text_comes_in_the_tokenizers_own_tokens(grammars, tokenizer):
     seed = random.randrange(2**32)
     print("seed", seed)
     gen = torch.Generator().manual_seed(seed)
-    sampler, out = Sampler(), []
+    sampler, out, state = Sampler(), [], SamplerState("r")
     while not out or out[-1] != tokenizer.eos_token_id:
         logits = torch.randn(1, len(tokenizer), generator=gen) * 5
-        out += sampler.sample(logits, ["r"], [SamplingParams(temperature=1.0, seed=seed, grammar=grammar)])
+        out += sampler.sample(logits, [state], [SamplingParams(temperature=1.0, seed=seed, grammar=grammar)])
         assert len(out) <= len(canonical) + 1
     assert tokenizer.decode(out[:-1]) == json.dumps(text)
     assert out[:len(canonical) - 1] == canonical[:-1]

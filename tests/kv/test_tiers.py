@@ -245,7 +245,7 @@ def test_prefetch_pulls_a_prompt_up_so_the_request_finds_it_on_the_device(checkp
     run(writer, "first", ids)
     writer.close()
     engine = make(checkpoints[3], disk_cache_dir=str(tmp_path))
-    _, _, fetched = run(engine, "prefetch", ids, prefetch_only=True)
+    fetched = engine.prefetch("prefetch", ids, CacheOptions())
     full = (len(ids) - 1) // BS * BS
     assert fetched.cached_tokens == full and fetched.tier_tokens == {"disk": full} and not fetched.new_token_ids
     got = run(engine, "request", ids)
