@@ -14,7 +14,7 @@ from reuse_server.api.auth import require_admin, require_tenant
 from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.cache_prefetch import prefetch
 from reuse_server.api.cache_stats import cache_stats
-from reuse_server.api.chat import create_chat_completion
+from reuse_server.api.chat_completions import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import (RETRY_AFTER_DRAINING, SERVICE_ERRORS, ClientDisconnected, ModelNotFound,
                                      internal_error)
