@@ -25,6 +25,8 @@ from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, 
                                        CachePrefetchResponse, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
+from reuse_server.api.responses import create_response, delete_response, get_response
+from reuse_server.api.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -130,6 +132,26 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
                     **_ANTHROPIC_ERRORS})
 async def messages_count_tokens(body: CountTokensRequest, request: Request) -> Response:
     return await _answer(count_tokens, body, request)
+
+
+@v1.post("/responses", response_model=None, responses=_generation(ResponseObject))
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    return await _answer(create_response, body, request)
+
+
+_STORED = {200: {"model": ResponseObject, "description": "The stored response."}, **_UNAUTHORIZED,
+           404: _error("No stored response with this id for this API key.")}
+
+
+@v1.get("/responses/{response_id}", response_model=None, responses=_STORED)
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return await get_response(request, response_id)
+
+
+@v1.delete("/responses/{response_id}", response_model=None,
+           responses={**_STORED, 200: {"model": DeletedResponse, "description": "Deleted."}})
+async def remove_response(response_id: str, request: Request) -> Response:
+    return await delete_response(request, response_id)
 
 
 @v1.post("/cache/chunks", response_model=None,
