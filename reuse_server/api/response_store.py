@@ -91,7 +91,10 @@ class ResponseStore:
         blob = record.encode()
         key = (record.tenant, record.id)
         with self._lock:
-            if len(blob) <= self.max_bytes:
+            if len(blob) > self.max_bytes:
+                logger.warning("response %s (%d bytes) is larger than the store (--response-store-size): "
+                               "kept only in Redis, if any", record.id, len(blob))
+            else:
                 self._drop(key)
                 self._records[key] = blob
                 self._bytes += len(blob)
