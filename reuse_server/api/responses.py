@@ -47,9 +47,6 @@ def refuse_what_cannot_be_honoured(body: ResponsesRequest) -> None:
     for name, what in REFUSED.items():
         if getattr(body, name):
             raise InvalidRequest(f"{name} is not supported: this server has no {what}.", name)
-    if body.text is not None and body.text.verbosity not in (None, "medium"):
-        raise InvalidRequest("text.verbosity other than 'medium' is not supported by the served model.",
-                             "text.verbosity")
 
 
 def _text(content: str | list) -> str | list[dict]:
@@ -235,7 +232,8 @@ class Turn:
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "service_tier": "default", "store": body.store is not False,
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": tool_choice or "auto",
+            "text": {"format": fmt, "verbosity": (body.text.verbosity if body.text else None) or "medium"},
+            "tool_choice": tool_choice or "auto",
             "tools": [t.model_dump() for t in body.tools or []], "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled", "usage": usage(last) if last is not None else None,
             "user": body.user, "metadata": body.metadata or {},
