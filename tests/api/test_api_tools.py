@@ -3,6 +3,7 @@ random checkpoint (whose calls and JSON are valid only because decoding is const
 SmolLM2 where the behaviour depends on a real model."""
 import json
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -239,6 +240,25 @@ def test_smollm2_cut_parallel_call_never_leaks_into_content(smollm2, stream):
     assert reason == "tool_calls" and calls and "tool_call" not in content and content == ""
     for name, arguments in calls:
         assert name == "lookup_population" and isinstance(json.loads(arguments)["city"], str)
+
+
+def test_smollm2_cut_call_is_dropped_on_the_agent_dialects(smollm2):
+    """The same cut parallel call through /v1/responses and /v1/messages: only the complete call comes back,
+    and the answer counts as a finished tool step there too."""
+    question = "What is the population of Paris?"
+    base = str(smollm2.base_url).rstrip("/").removesuffix("/v1")
+    response = smollm2.responses.create(model="smollm2", input=question, temperature=0, max_output_tokens=40,
+                                        tools=[{"type": "function", **POPULATION_TOOL["function"]}],
+                                        tool_choice="required")
+    assert response.status == "completed" and response.usage.output_tokens == 40
+    assert response.output and all(item.type == "function_call" for item in response.output)
+    assert all(json.loads(item.arguments)["city"] for item in response.output)
+    message = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120).messages.create(
+        model="smollm2", max_tokens=40, messages=[{"role": "user", "content": question}],
+        tools=[{"name": "lookup_population", "input_schema": POPULATION_TOOL["function"]["parameters"]}],
+        tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == 40
+    assert message.content and all(b.type == "tool_use" and b.input["city"] for b in message.content)
 
 
 def test_smollm2_json_object(smollm2):
