@@ -61,15 +61,16 @@ def render_continuation(tokenizer, messages: list[ChatMessage], tools: ToolSetti
     ones only): the end of the answer's turn, each new message, the generation prompt. Found by rendering
     the new messages after a stand-in turn and taking what follows the stand-in answer. When the stored
     answer ended with the end-of-turn token itself (EOS), the template's copy of it is left out. None when
-    the template does not render content verbatim (then the caller renders the whole conversation)."""
+    the template does not render content verbatim or rejects the stand-in turn (then the caller renders the
+    whole conversation)."""
     probe = [ChatMessage(role="user", content=_EARLIER_TURN), ChatMessage(role="assistant", content=_EARLIER_ANSWER),
              *messages]
     rendered, template_kwargs = for_template(tokenizer, conversation(probe), tools)
     try:
         chunks = render_chat_chunks(tokenizer, rendered, add_generation_prompt=True,
                                     part_separator=PART_SEPARATOR, **template_kwargs)
-    except TemplateError as exc:
-        raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "input") from exc
+    except TemplateError:  # e.g. a template that wants the stand-in answer to hold the calls answered
+        return None
     at = next((k for k, c in enumerate(chunks) if c.reusable and c.text == _EARLIER_ANSWER), None)
     if at is None:
         return None

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -121,7 +121,7 @@ def continuation(stored: StoredResponse, new: int, eos_token_ids):
     def render(tokenizer, messages: list[ChatMessage], tools) -> PromptChunks:
         prompt = render_continuation(tokenizer, messages[len(messages) - new:], tools, prefix, eos_token_ids)
         if prompt is None:
-            logger.info("the chat template does not render content verbatim: response %s's conversation is "
+            logger.info("the chat template cannot continue response %s from its tokens: its conversation is "
                         "rendered again", stored.id)
             return render_chat_prompt(tokenizer, messages, tools)
         return prompt

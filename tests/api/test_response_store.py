@@ -72,3 +72,13 @@ def test_a_continuation_is_the_stored_tokens_then_the_new_turn(tokenizer, ended_
     assert tokenizer.decode(ids) == tokenizer.decode(whole.token_ids)
     assert spans[:len(prompt.chunk_spans)] == prompt.chunk_spans
     assert [tokenizer.decode(ids[s:s + n]) for s, n in spans[len(prompt.chunk_spans):]] == ["And a radix tree?"]
+
+
+def test_a_template_that_changes_content_cannot_be_continued(tokenizer):
+    """A template that trims content does not render it verbatim: no continuation (the whole conversation
+    is rendered again instead)."""
+    trimming = build_tokenizer()
+    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
+                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    prefix = PromptChunks([1, 2, 3], [])
+    assert render_continuation(trimming, [ChatMessage(role="user", content=" padded ")], NO_TOOLS, prefix, []) is None
