@@ -36,6 +36,7 @@ def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSet
     app.state.settings = settings
     app.state.api_keys = settings.api_keys
     app.state.tokenizing = tokenizing
+    app.state.responses = settings.responses
     app.state.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     install_error_handlers(app)
     app.include_router(router)

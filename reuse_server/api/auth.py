@@ -1,4 +1,5 @@
-"""API keys (`Authorization: Bearer KEY`) and the tenant each one stands for.
+"""API keys (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it) and the tenant
+each one stands for.
 
 A tenant is the key's keyed BLAKE2b digest: stable across restarts for the same key, one length for every key
 (so it can be folded into block hashes next to a cache_salt without ambiguity, see CacheOptions.namespace), and
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 # Domain separation for the digest; changing it would move every tenant to a new (empty) cache namespace.
 _TENANT_DIGEST_KEY = b"kv-reuse-server tenant v1"
@@ -74,20 +75,25 @@ _bearer = HTTPBearer(auto_error=False, description="An API key given to the serv
                                                    "server was started with keys.")
 
 
-def _presented(credentials: HTTPAuthorizationCredentials | None) -> str | None:
-    return credentials.credentials if credentials is not None else None
+_x_api_key = APIKeyHeader(name="x-api-key", auto_error=False,
+                          description="The same API key in Anthropic's header (the anthropic SDK sends it).")
 
 
-async def require_tenant(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+def _presented(credentials: HTTPAuthorizationCredentials | None, x_api_key: str | None = None) -> str | None:
+    return credentials.credentials if credentials is not None else x_api_key
+
+
+async def require_tenant(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer),
+                         x_api_key: str | None = Depends(_x_api_key)) -> None:
     """Sets request.state.tenant: the key's tenant, or None when the server has no tenant keys."""
     keys: ApiKeys = request.app.state.api_keys
     request.state.tenant = None
     if not keys.required:
         return
-    tenant = keys.tenant(_presented(credentials))
+    tenant = keys.tenant(_presented(credentials, x_api_key))
     if tenant is None:
         raise Unauthorized("Incorrect or missing API key: send a key the server was configured with, "
-                           "as 'Authorization: Bearer KEY'.")
+                           "as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
     request.state.tenant = tenant
 
 

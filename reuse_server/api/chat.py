@@ -1,48 +1,60 @@
-"""POST /v1/chat/completions."""
+"""The one chat path under every dialect: chat completions, Responses and Messages translate their request
+into a ChatCompletionRequest (messages with tool calls and results, tools, tool_choice, response_format,
+sampling and cache fields), and this module renders, tokenizes, constrains and runs it, and reads the
+answers back (tool calls parsed out of them). Each dialect only writes the result in its own wire format, so
+blending, tools, constrained decoding and tenants behave the same on all three."""
 from __future__ import annotations
 
-import time
-import uuid
-from typing import AsyncIterator
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi import Request
-from fastapi.responses import Response
 
 from reuse_server.api.chat_template import render_chat_prompt
-from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
-                                         compile_constraint, generate_choices, sampling_params, sse_events,
-                                         usage_from)
-from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
-                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                       FunctionCall, ToolCall, TopLogprob)
-from reuse_server.api.tools import (StreamEvent, ToolCallStream, finish_reason, output_constraint,
+from reuse_server.api.generation import (ChoiceOutputs, cache_options, check_common, check_model, collect,
+                                         compile_constraint, generate_choices, sampling_params)
+from reuse_server.api.prompt_chunks import PromptChunks
+from reuse_server.api.protocol import ChatCompletionRequest
+from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, output_constraint,
                                     parse_tool_calls, tool_settings)
-from reuse_server.engine.outputs import RequestOutput, TokenLogprob
-from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+
+logger = logging.getLogger("reuse_server.api")
+
+# (tokenizer, messages, tools) -> the prompt; runs on a tokenizing thread. The default renders the whole chat;
+# a stored conversation's continuation starts from the exact tokens of its earlier turns (api/responses.py).
+PromptRenderer = Callable[..., PromptChunks]
 
 
-def chat_logprobs(logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
-    return ChatChoiceLogprobs(content=[
-        ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()), top_logprobs=[
-            TopLogprob(token=text, logprob=value, bytes=list(text.encode())) for _, text, value in lp.top])
-        for lp in logprobs])
+@dataclass
+class PreparedChat:
+    """A checked chat request, ready to run: nothing is scheduled yet and no KV block is held."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolSettings
+    cache: CacheOptions
+    n: int
+    chunk_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def start(self, engine, request: Request) -> ChoiceOutputs:
+        """Queue the request (429/503 raised here, before anything is queued)."""
+        return generate_choices(engine, self.request_id, self.prompt_ids, self.params, self.cache, self.n,
+                                request.state.deadline)
 
 
-def requested_logprobs(body: ChatCompletionRequest) -> int | None:
-    """Chat's (logprobs: bool, top_logprobs: int) as the engine's single 'how many alternatives' number."""
-    if body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequest("top_logprobs requires logprobs to be true.", "top_logprobs")
-    return (body.top_logprobs or 0) if body.logprobs else None
-
-
-async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
+async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, request_id: str,
+                       logprobs: int | None = None, render: PromptRenderer = render_chat_prompt) -> PreparedChat:
+    """Validate, render and tokenize (on a worker thread), compile the output constraint; raises
+    InvalidRequest (a 400) for anything the engine could not run."""
     check_model(body, engine.model_id)
     check_common(body)
     tools = tool_settings(body)
-    logprobs = requested_logprobs(body)
     tokenizing = request.app.state.tokenizing
-    prompt_ids, chunk_spans = await tokenizing.run(render_chat_prompt, tokenizing.tokenizer_for(request.state.tenant),
+    prompt_ids, chunk_spans = await tokenizing.run(render, tokenizing.tokenizer_for(request.state.tenant),
                                                    body.messages, tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
@@ -50,75 +62,71 @@ async def create_chat_completion(engine, body: ChatCompletionRequest, request: R
     params = sampling_params(body, max_tokens, logprobs)
     params.grammar = await compile_constraint(request, output_constraint(tools, body.response_format))
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
-
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    n = body.n or 1
-    outputs = generate_choices(engine, request_id, prompt_ids, params,
-                               cache_options(body, chunk_spans, request.state.tenant), n, request.state.deadline)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = chat_chunks(outputs, n, request_id, created, engine.model_id, include_usage, logprobs is not None,
-                             tools.parses_calls)
-        return SSEResponse(sse_events(chunks, outputs))
-
-    choices = []
-    per_choice = await collect(outputs, n, request)
-    for i, results in enumerate(per_choice):
-        choice_logprobs = None
-        if logprobs is not None:
-            choice_logprobs = chat_logprobs([lp for out in results for lp in out.logprobs or []])
-        text = "".join(out.new_text for out in results)
-        content, calls = parse_tool_calls(text) if tools.parses_calls else (text, [])
-        message = AssistantMessage(content=content, tool_calls=[
-            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
-        choices.append(ChatChoice(index=i, message=message, logprobs=choice_logprobs,
-                                  finish_reason=finish_reason(results[-1].finish_reason, bool(calls))))
-    response = ChatCompletionResponse(id=request_id, created=created, model=engine.model_id, choices=choices,
-                                      usage=usage_from([results[-1] for results in per_choice]))
-    return Response(response.model_dump_json(), media_type="application/json")
+    return PreparedChat(request_id, prompt_ids, params, tools, cache_options(body, chunk_spans, request.state.tenant),
+                        body.n or 1, list(chunk_spans))
 
 
-def delta_of(event: StreamEvent) -> DeltaMessage:
-    if event.kind == "content":
-        return DeltaMessage(content=event.text)
-    if event.kind == "call":
-        return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, id=event.id, type="function",
-                                                      function=DeltaFunctionCall(name=event.name, arguments=""))])
-    return DeltaMessage(tool_calls=[DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text))])
+def _log_cut(request_id: str, cut: int, kept: int, reason: str | None) -> None:
+    if cut:
+        logger.info("request %s: dropped %d tool call(s) cut short (finish %s); %d complete call(s) returned",
+                    request_id, cut, reason, kept)
 
 
-async def chat_chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], n: int, request_id: str, created: int,
-                      model: str, include_usage: bool, want_logprobs: bool,
-                      parse_calls: bool = False) -> AsyncIterator[ChatCompletionChunk]:
-    """The stream's chunks. With `parse_calls`, each choice's text goes through a ToolCallStream, which turns
-    tool calls into `delta.tool_calls` as OpenAI streams them."""
-    def chunk(i: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[
-            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+@dataclass
+class Answer:
+    """One choice's whole answer: its text read into content and calls, and its engine outputs."""
 
-    for i in range(n):
-        yield chunk(i, DeltaMessage(role="assistant", content=""))
-    lasts: dict[int, RequestOutput] = {}
-    calls = [ToolCallStream() for _ in range(n)] if parse_calls else None
+    outputs: list[RequestOutput]
+    parsed: ParsedAnswer
+
+    @property
+    def last(self) -> RequestOutput:
+        return self.outputs[-1]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's: "stop", "length", "tool_calls" or "abort"."""
+        return self.parsed.finish_reason(self.last.finish_reason)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for out in self.outputs for t in out.new_token_ids]
+
+
+def read_answer(chat: PreparedChat, outputs: list[RequestOutput]) -> Answer:
+    text = "".join(out.new_text for out in outputs)
+    if not chat.tools.parses_calls:
+        return Answer(outputs, ParsedAnswer(text, []))
+    parsed = parse_tool_calls(text, truncated=outputs[-1].finish_reason == "length")
+    _log_cut(chat.request_id, parsed.cut, len(parsed.calls), outputs[-1].finish_reason)
+    return Answer(outputs, parsed)
+
+
+async def whole_answers(chat: PreparedChat, outputs: ChoiceOutputs, request: Request) -> list[Answer]:
+    """Every choice's answer once all have finished (aborted if the client leaves first)."""
+    return [read_answer(chat, results) for results in await collect(outputs, chat.n, request)]
+
+
+class AnswerStep(NamedTuple):
+    """One engine output of a streamed choice, read: the content and calls it completes (calls come whole,
+    api/tools.ToolCallStream) and, on the last one, OpenAI's finish reason."""
+
+    index: int
+    out: RequestOutput
+    events: list[StreamEvent]
+    finish_reason: str | None
+
+
+async def answer_steps(chat: PreparedChat, outputs: ChoiceOutputs) -> AsyncIterator[AnswerStep]:
+    streams = [ToolCallStream() for _ in range(chat.n)] if chat.tools.parses_calls else None
     async for i, out in outputs:
-        lasts[i] = out
-        if calls is None:
-            if out.new_text or out.logprobs:
-                logprobs = chat_logprobs(out.logprobs or []) if want_logprobs else None
-                yield chunk(i, DeltaMessage(content=out.new_text), logprobs=logprobs)
-            if out.finished:
-                yield chunk(i, DeltaMessage(), finish_reason=out.finish_reason)
+        if streams is None:
+            events = [StreamEvent("content", out.new_text)] if out.new_text else []
+            yield AnswerStep(i, out, events, out.finish_reason if out.finished else None)
             continue
-        logprobs = chat_logprobs(out.logprobs) if want_logprobs and out.logprobs else None
-        events = calls[i].feed(out.new_text) + (calls[i].finish() if out.finished else [])
-        for event in events:
-            yield chunk(i, delta_of(event), logprobs=logprobs)
-            logprobs = None
-        if logprobs is not None:  # tokens held back from the text still report their logprobs
-            yield chunk(i, DeltaMessage(), logprobs=logprobs)
+        stream = streams[i]
+        events = stream.feed(out.new_text)
         if out.finished:
-            yield chunk(i, DeltaMessage(), finish_reason=finish_reason(out.finish_reason, calls[i].calls > 0))
-    if include_usage and lasts:
-        yield ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
-                                  usage=usage_from(list(lasts.values())))
+            events += stream.finish(truncated=out.finish_reason == "length")
+            _log_cut(chat.request_id, stream.cut, stream.calls, out.finish_reason)
+        yield AnswerStep(i, out, events, stream.finish_reason(out.finish_reason) if out.finished else None)

@@ -6,7 +6,7 @@ generation prompt) forms small chunks that are always computed. See `blend.chunk
 """
 from __future__ import annotations
 
-from blend.chunking import PART_SEPARATOR, chat_opening, render_chat_chunks
+from blend.chunking import PART_SEPARATOR, Chunk, chat_opening, encode, render_chat_chunks
 from jinja2 import TemplateError
 
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
@@ -47,6 +47,41 @@ def render_chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolSettin
     except TemplateError as exc:  # e.g. a template that insists roles alternate
         raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "messages") from exc
     return from_chunks(chunks)
+
+
+# Stand-ins for a stored turn in a probe rendering (private-use characters no client text holds).
+_EARLIER_TURN = "\ue000earlier turn\ue001"
+_EARLIER_ANSWER = "\ue000earlier answer\ue001"
+
+
+def render_continuation(tokenizer, messages: list[ChatMessage], tools: ToolSettings, prefix: PromptChunks,
+                        eos_token_ids) -> PromptChunks | None:
+    """The prompt of a turn that continues a stored one: `prefix` (the stored prompt's and answer's exact
+    token ids) followed by the tokens the template puts after an assistant answer for `messages` (the new
+    ones only): the end of the answer's turn, each new message, the generation prompt. Found by rendering
+    the new messages after a stand-in turn and taking what follows the stand-in answer. When the stored
+    answer ended with the end-of-turn token itself (EOS), the template's copy of it is left out. None when
+    the template does not render content verbatim or rejects the stand-in turn (then the caller renders the
+    whole conversation)."""
+    probe = [ChatMessage(role="user", content=_EARLIER_TURN), ChatMessage(role="assistant", content=_EARLIER_ANSWER),
+             *messages]
+    rendered, template_kwargs = for_template(tokenizer, conversation(probe), tools)
+    try:
+        chunks = render_chat_chunks(tokenizer, rendered, add_generation_prompt=True,
+                                    part_separator=PART_SEPARATOR, **template_kwargs)
+    except TemplateError:  # e.g. a template that wants the stand-in answer to hold the calls answered
+        return None
+    at = next((k for k, c in enumerate(chunks) if c.reusable and c.text == _EARLIER_ANSWER), None)
+    if at is None:
+        return None
+    suffix = list(chunks[at + 1:])
+    if suffix and not suffix[0].reusable and prefix.token_ids and prefix.token_ids[-1] in eos_token_ids:
+        end = tokenizer.decode([prefix.token_ids[-1]])
+        if end and suffix[0].text.startswith(end):
+            rest = suffix[0].text[len(end):]
+            suffix[0] = Chunk(rest, encode(tokenizer, rest), False)
+    ids, spans = from_chunks(suffix, prefix=prefix.token_ids)
+    return PromptChunks(ids, list(prefix.chunk_spans) + spans)
 
 
 def user_turn_opening(tokenizer) -> list[int]:

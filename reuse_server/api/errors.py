@@ -1,4 +1,6 @@
-"""Every error leaves the server as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+"""Every error leaves the server as OpenAI's `{"error": {"message", "type", "param", "code"}}`, except on the
+Anthropic routes (/v1/messages...), where it has Anthropic's shape: `{"type": "error", "error": {"type",
+"message"}}`."""
 from __future__ import annotations
 
 import logging
@@ -30,6 +32,15 @@ class ModelNotFound(Exception):
         self.message = str(self)
 
 
+class NotFound(Exception):
+    """A stored object (a response) that does not exist for this tenant; answered with 404."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
 class ClientDisconnected(Exception):
     """The client went away before a non-streaming response was ready; its request was aborted."""
 
@@ -38,9 +49,29 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
 
 
+ANTHROPIC_PATH = "/v1/messages"
+
+# Anthropic's error types by status (its API errors page); 408 is ours, a timeout.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                                   else "invalid_request_error"),
+                                       "message": message}}
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+                   param: str | None = None, code: str | None = None, request: Request | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error in the shape of the route's dialect."""
+    if request is not None and request.url.path.startswith(ANTHROPIC_PATH):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ServiceError(NamedTuple):
@@ -54,8 +85,8 @@ class ServiceError(NamedTuple):
     def body(self) -> dict:
         return error_body(self.message, self.type, None, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, request: Request | None = None) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, None, self.code, request, self.headers)
 
 
 def service_error(exc: BaseException) -> ServiceError | None:
@@ -109,36 +140,38 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers schema errors with 400, not FastAPI's default 422.
         message, param = describe_validation_error(list(exc.errors()))
-        return error_response(400, message, param=param)
+        return error_response(400, message, param=param, request=request)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, exc.message, param=exc.param, code=exc.code)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(400, exc.message, param=exc.param, code=exc.code, request=request)
 
     @app.exception_handler(ModelNotFound)
-    async def _model(_: Request, exc: ModelNotFound) -> JSONResponse:
-        return error_response(404, exc.message, param="model", code="model_not_found")
+    async def _model(request: Request, exc: ModelNotFound) -> JSONResponse:
+        return error_response(404, exc.message, param="model", code="model_not_found", request=request)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return error_response(404, exc.message, param=exc.param, code="not_found", request=request)
 
     @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, exc: ClientDisconnected) -> JSONResponse:
+    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
         # Nobody reads this; 499 is the conventional "client closed request" for access logs.
-        return error_response(499, "The client closed the connection; the request was aborted.")
+        return error_response(499, "The client closed the connection; the request was aborted.", request=request)
 
     for kind in SERVICE_ERRORS:
         @app.exception_handler(kind)
-        async def _service(_: Request, exc: Exception) -> JSONResponse:
-            return service_error(exc).response()
+        async def _service(request: Request, exc: Exception) -> JSONResponse:
+            return service_error(exc).response(request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        response = error_response(exc.status_code, message, type_)
-        response.headers.update(exc.headers or {})
-        return response
+        return error_response(exc.status_code, message, type_, request=request, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -148,4 +181,5 @@ def install_error_handlers(app: FastAPI) -> None:
 def internal_error(request: Request) -> JSONResponse:
     """A 500 for an unexpected exception; call from an `except` block so the traceback is logged."""
     logger.exception("Unhandled error while serving %s %s", request.method, request.url.path)
-    return error_response(500, "The server had an internal error while processing the request.", "server_error")
+    return error_response(500, "The server had an internal error while processing the request.", "server_error",
+                          request=request)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -248,6 +248,37 @@ async def sse_events(chunks: AsyncIterator[BaseModel], outputs: AsyncIterator) -
         await chunks.aclose()
         await outputs.aclose()
     yield SSE_DONE
+
+
+def sse_event(name: str, payload: BaseModel | dict) -> str:
+    """One Server-Sent Event with a name, as Anthropic's and the Responses API's streams frame them."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"event: {name}\ndata: {data}\n\n"
+
+
+# (status, message, OpenAI error type) -> the (name, payload) of a dialect's in-band error event
+ErrorEvent = Callable[[int, str, str], tuple[str, dict]]
+
+
+async def named_sse_events(events: AsyncIterator[tuple[str, BaseModel | dict]], outputs: AsyncIterator,
+                           error_event: ErrorEvent) -> AsyncIterator[str]:
+    """Frame (name, payload) events as SSE (no [DONE]: these dialects end with their own last event). An error
+    after the 200 has gone out is reported in-band, in the dialect's shape."""
+    try:
+        async for name, payload in events:
+            yield sse_event(name, payload)
+    except InvalidRequest as exc:
+        yield sse_event(*error_event(400, exc.message, "invalid_request_error"))
+    except SERVICE_ERRORS as exc:
+        error = service_error(exc)
+        yield sse_event(*error_event(error.status, error.message, error.type))
+    except Exception:
+        logger.exception("Error while streaming a response")
+        yield sse_event(*error_event(500, "The server had an internal error while streaming the response.",
+                                     "server_error"))
+    finally:
+        await events.aclose()
+        await outputs.aclose()
 
 
 class SSEResponse(StreamingResponse):

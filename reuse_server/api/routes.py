@@ -14,14 +14,19 @@ from reuse_server.api.auth import require_admin, require_tenant
 from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.cache_prefetch import prefetch
 from reuse_server.api.cache_stats import cache_stats
-from reuse_server.api.chat import create_chat_completion
+from reuse_server.api.chat_completions import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import (RETRY_AFTER_DRAINING, SERVICE_ERRORS, ClientDisconnected, ModelNotFound,
-                                     internal_error)
+                                     NotFound, internal_error)
+from reuse_server.api.messages import count_tokens, create_message
+from reuse_server.api.messages_protocol import (AnthropicErrorResponse, CountTokensRequest, CountTokensResponse,
+                                                MessageResponse, MessagesRequest)
 from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, CachePrefetchRequest,
                                        CachePrefetchResponse, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
+from reuse_server.api.responses import create_response, delete_response, get_response
+from reuse_server.api.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -49,9 +54,13 @@ _SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                          "properties": {"data": {"type": "string"}}}}}
 
 
-def _generation(model) -> dict:
+def _generation(model, errors: dict = _ERRORS) -> dict:
     return {200: {"model": model, "description": "The response; with stream=true, Server-Sent Events.",
-                  "content": _SSE}, **_ERRORS}
+                  "content": _SSE}, **errors}
+
+
+# Anthropic's routes answer errors in Anthropic's shape (api/errors.py), with the same statuses.
+_ANTHROPIC_ERRORS = {status: {**entry, "model": AnthropicErrorResponse} for status, entry in _ERRORS.items()}
 
 
 router = APIRouter()
@@ -113,6 +122,38 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _answer(create_chat_completion, body, request)
 
 
+@v1.post("/messages", response_model=None, responses=_generation(MessageResponse, _ANTHROPIC_ERRORS))
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    return await _answer(create_message, body, request)
+
+
+@v1.post("/messages/count_tokens", response_model=None,
+         responses={200: {"model": CountTokensResponse, "description": "The prompt's length in tokens."},
+                    **_ANTHROPIC_ERRORS})
+async def messages_count_tokens(body: CountTokensRequest, request: Request) -> Response:
+    return await _answer(count_tokens, body, request)
+
+
+@v1.post("/responses", response_model=None, responses=_generation(ResponseObject))
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    return await _answer(create_response, body, request)
+
+
+_STORED = {200: {"model": ResponseObject, "description": "The stored response."}, **_UNAUTHORIZED,
+           404: _error("No stored response with this id for this API key.")}
+
+
+@v1.get("/responses/{response_id}", response_model=None, responses=_STORED)
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return await get_response(request, response_id)
+
+
+@v1.delete("/responses/{response_id}", response_model=None,
+           responses={**_STORED, 200: {"model": DeletedResponse, "description": "Deleted."}})
+async def remove_response(response_id: str, request: Request) -> Response:
+    return await delete_response(request, response_id)
+
+
 @v1.post("/cache/chunks", response_model=None,
          responses={200: {"model": CacheChunksResponse, "description": "What was stored."}, **_ERRORS})
 async def cache_chunks(body: CacheChunksRequest, request: Request) -> Response:
@@ -141,7 +182,7 @@ async def _answer(handler, body, request: Request) -> Response:
     try:
         engine.admit(0)  # refused at once while shutting down or dead, before tokenizing anything
         return await handler(engine, body, request)
-    except (InvalidRequest, ModelNotFound, ClientDisconnected, *SERVICE_ERRORS):
+    except (InvalidRequest, ModelNotFound, NotFound, ClientDisconnected, *SERVICE_ERRORS):
         raise  # the app's handlers turn these into 4xx (and 503s that say why)
     except Exception:
         # Answered here rather than by an app-level handler, which Starlette re-raises (a second traceback).

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reuse_server.api.auth import ApiKeys
+from reuse_server.api.response_store import ResponseStore
 from reuse_server.api.tokenizing import DEFAULT_THREADS
 
 
@@ -12,3 +13,4 @@ class ServerSettings:
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # none: the routes are open, requests have no tenant
     request_timeout: float | None = None  # seconds from arrival; past it the request is aborted (408)
     tokenizer_threads: int = DEFAULT_THREADS
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses (POST /v1/responses)

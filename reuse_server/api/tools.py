@@ -309,27 +309,65 @@ def parse_call(inner: str) -> ParsedCall | None:
     return ParsedCall(new_call_id(), obj["name"], text)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a whole answer: every well-formed `<tool_call>` block becomes a call and leaves
-    the content; anything else stays content. Content is None when only calls were written."""
+@dataclass
+class ParsedAnswer:
+    """An answer's content and calls. `cut`: calls dropped because the answer ended inside them (max_tokens
+    or a stop string cut them); they are never content. `ends_in_calls`: no content after the last call."""
+
+    content: str | None
+    calls: list[ParsedCall]
+    cut: int = 0
+    ends_in_calls: bool = False
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return finish_reason(reason, bool(self.calls), self.ends_in_calls)
+
+
+def _cut_open_tag(tail: str) -> bool:
+    """Whether the end of a cut answer is the beginning of a call's opening tag (and nothing else)."""
+    tail = tail.strip()
+    return bool(tail) and CALL_OPEN.startswith(tail) and tail != CALL_OPEN
+
+
+def parse_tool_calls(text: str, truncated: bool = False) -> ParsedAnswer:
+    """Content and calls of a whole answer: every well-formed `<tool_call>` block becomes a call and leaves
+    the content; a block the answer ended inside is dropped (so is a cut opening tag when the answer was
+    `truncated`, i.e. ran out of tokens); any other text stays content. Content is None when only calls
+    were written. Reads the same as ToolCallStream, piece by piece."""
     calls: list[ParsedCall] = []
-    content, last = [], 0
+    content, last, cut = [], 0, 0
+    since_call = ""  # content after the last call
     for block in _BLOCK.finditer(text):
+        closed = text.endswith(CALL_CLOSE, 0, block.end())
         call = parse_call(block.group(1))
+        if call is None and closed:
+            continue  # not a call: stays content
+        piece = text[last:block.start()]
+        content.append(piece)
+        since_call += piece
         if call is None:
-            continue
-        calls.append(call)
-        content.append(text[last:block.start()])
+            cut += 1
+        else:
+            calls.append(call)
+            since_call = ""
         last = block.end()
-    if not calls:
-        return text, []
-    content.append(text[last:])
-    return "".join(content).strip() or None, calls
+    tail = text[last:]
+    if truncated and _cut_open_tag(tail):
+        cut += 1
+        tail = ""
+    if not calls and not cut:
+        return ParsedAnswer(text, [])
+    content.append(tail)
+    since_call += tail
+    return ParsedAnswer("".join(content).strip() or None, calls, cut, bool(calls) and not since_call.strip())
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's "tool_calls" for an answer that ended by itself after making calls."""
-    return "tool_calls" if called and reason == "stop" else reason
+def finish_reason(reason: str | None, called: bool, ends_in_calls: bool = False) -> str | None:
+    """OpenAI's "tool_calls" for an answer that made calls and ended by itself, or ran out of tokens after
+    its last complete call (the cut one dropped)."""
+    if called and (reason == "stop" or (reason == "length" and ends_in_calls)):
+        return "tool_calls"
+    return reason
 
 
 @dataclass
@@ -351,17 +389,25 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 @dataclass
 class ToolCallStream:
-    """Reads calls out of an answer as it streams, in OpenAI's chunk shape: content until a call begins;
-    the call's id and name once its name is complete; then its arguments as they come. Text that may be
-    the start of a tag, and the closing brace of the call, are held back until the next text decides."""
+    """Reads calls out of an answer as it streams: content until a call begins; each call (its id and name,
+    then its arguments) once its closing tag has come. A call is held back whole because the answer may end
+    inside it (max_tokens): a cut call is dropped, never sent half, never sent as content. Text that may be
+    the start of a tag, and whitespace that may only lead up to a call, wait for the next text."""
 
-    state: Literal["text", "head", "arguments"] = "text"
+    state: Literal["text", "call"] = "text"
     buffer: str = ""
-    sent: int = 0  # arguments: characters of `buffer` already sent
     calls: int = 0
+    cut: int = 0
     content_sent: bool = False
+    content_after_call: bool = False
     events: list[StreamEvent] = field(default_factory=list)
-    escaper: ControlCharEscaper = field(default_factory=ControlCharEscaper)
+
+    @property
+    def ends_in_calls(self) -> bool:
+        return self.calls > 0 and not self.content_after_call
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return finish_reason(reason, self.calls > 0, self.ends_in_calls)
 
     def feed(self, text: str) -> list[StreamEvent]:
         self.buffer += text
@@ -370,21 +416,22 @@ class ToolCallStream:
             pass
         return self.events
 
-    def finish(self) -> list[StreamEvent]:
-        """Whatever is held back once the answer has ended."""
+    def finish(self, truncated: bool = False) -> list[StreamEvent]:
+        """Whatever is held back once the answer has ended (`truncated`: it ran out of tokens)."""
         self.events = []
         if self.state == "text":
-            self._content(self.buffer.rstrip())
-        elif self.state == "head":  # an unfinished call head stays text, as parse_tool_calls leaves it
-            call = parse_call(self.buffer)
-            if call is not None:
-                self._call(call.name, call.id)
-                self._emit_arguments(call.arguments, raw=False)
+            if truncated and _cut_open_tag(self.buffer):
+                self.cut += 1
             else:
-                self._content(CALL_OPEN + self.buffer)
-        elif len(self.buffer) > self.sent:  # cut short (length): the client gets all the model wrote
-            self._emit_arguments(self.buffer[self.sent:])
+                self._content(self.buffer.rstrip())
+        else:
+            call = parse_call(self.buffer)  # complete JSON whose closing tag was cut still is a call
+            if call is not None:
+                self._call(call)
+            else:
+                self.cut += 1
         self.buffer = ""
+        self.state = "text"
         return self.events
 
     def _content(self, text: str) -> None:
@@ -392,18 +439,14 @@ class ToolCallStream:
             text = text.lstrip()
         if text:
             self.content_sent = True
+            self.content_after_call = self.calls > 0
             self.events.append(StreamEvent("content", text))
 
-    def _call(self, name: str, call_id: str | None = None) -> None:
-        self.events.append(StreamEvent("call", index=self.calls, id=call_id or new_call_id(), name=name))
+    def _call(self, call: ParsedCall) -> None:
+        self.events.append(StreamEvent("call", index=self.calls, id=call.id, name=call.name))
+        self.events.append(StreamEvent("arguments", call.arguments, index=self.calls))
         self.calls += 1
-        self.escaper = ControlCharEscaper()
-
-    def _emit_arguments(self, text: str, raw: bool = True) -> None:
-        """`raw`: the model's text, escaped on the way; otherwise arguments parse_call already made valid."""
-        text = self.escaper.feed(text) if raw else text
-        if text:
-            self.events.append(StreamEvent("arguments", text, index=self.calls - 1))
+        self.content_after_call = False
 
     def _step(self) -> bool:
         """Consume what the buffer decides; True if the state changed (and the loop should go on)."""
@@ -418,44 +461,16 @@ class ToolCallStream:
                 return False
             self._content(self.buffer[:at].rstrip())
             self.buffer = self.buffer[at + len(CALL_OPEN):]
-            self.state = "head"
+            self.state = "call"
             return True
-        if self.state == "head":
-            head = _HEAD.match(self.buffer)
-            close = self.buffer.find(CALL_CLOSE)
-            # The head is complete once the arguments' first character has come (whitespace before it is not
-            # theirs). Arguments written as a JSON string are decoded whole, at the end of the call.
-            if (head and head.end() < len(self.buffer) and self.buffer[head.end()] != '"'
-                    and (close < 0 or head.end() <= close)):
-                self._call(json.loads(f'"{head.group(1)}"'))
-                self.buffer = self.buffer[head.end():]
-                self.sent = 0
-                self.state = "arguments"
-                return True
-            if close >= 0:  # a whole block whose head is not in the usual order
-                call = parse_call(self.buffer[:close])
-                if call is not None:
-                    self._call(call.name, call.id)
-                    self._emit_arguments(call.arguments, raw=False)
-                else:
-                    self._content(CALL_OPEN + self.buffer[:close + len(CALL_CLOSE)])
-                self.buffer = self.buffer[close + len(CALL_CLOSE):]
-                self.state = "text"
-                return True
-            return False
         close = self.buffer.find(CALL_CLOSE)
-        body = self.buffer if close < 0 else self.buffer[:close]
-        if close < 0:
-            body = body[:len(body) - _partial_suffix(body, CALL_CLOSE)]
-        end = len(body.rstrip())
-        if end and body[end - 1] == "}":  # the call's own closing brace, if nothing follows it
-            end = len(body[:end - 1].rstrip())
-        if end > self.sent:
-            self._emit_arguments(self.buffer[self.sent:end])
-            self.sent = end
         if close < 0:
             return False
+        call = parse_call(self.buffer[:close])
+        if call is not None:
+            self._call(call)
+        else:  # a whole block that is not a call stays content, as parse_tool_calls leaves it
+            self._content(CALL_OPEN + self.buffer[:close + len(CALL_CLOSE)])
         self.buffer = self.buffer[close + len(CALL_CLOSE):]
-        self.sent = 0
         self.state = "text"
         return True

@@ -274,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                          help="abort a request this long after it arrived and answer 408 (a stream ends with "
                               "an error event) (default: none, no limit)")
+    service.add_argument("--response-store-count", type=int, default=10_000, metavar="N",
+                         help="POST /v1/responses with store: keep at most this many responses in memory "
+                              "(the oldest go first)")
+    service.add_argument("--response-store-size", type=parse_size, default="256MiB", metavar="SIZE",
+                         help="... and at most this many bytes of them (token ids included)")
+    service.add_argument("--response-store-ttl", type=positive_float, default=24 * 3600.0, metavar="SECONDS",
+                         help="with --redis-url, stored responses are also kept in Redis for this long, so the "
+                              "next turn (previous_response_id) can be served by any replica sharing it")
     service.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                          help="on SIGTERM, refuse new requests (503) and let those in flight finish for this long, "
                               "then abort the rest and exit 0")
@@ -378,7 +386,11 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("reuse_server").debug("model load failed", exc_info=True)
         print(f"reuse-server: error: could not load the model: {exc}", file=sys.stderr)
         return 1
-    app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout))
+    from reuse_server.api.response_store import ResponseStore
+    responses = ResponseStore(args.response_store_count, args.response_store_size, args.redis_url,
+                              int(args.response_store_ttl), args.redis_timeout or 2.0)
+    app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout,
+                                                     responses=responses))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     DrainingServer(config, engine, args.shutdown_timeout).run()
     return 0

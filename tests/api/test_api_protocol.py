@@ -8,8 +8,9 @@ from pydantic import ValidationError
 from tokenizers.processors import TemplateProcessing
 
 from blend.chunking import encode, render_chat_chunks
-from reuse_server.api.chat import chat_chunks
-from reuse_server.api.chat_template import PART_SEPARATOR, conversation, render_chat_prompt
+from reuse_server.api.chat import PreparedChat, answer_steps
+from reuse_server.api.chat_completions import chat_chunks
+from reuse_server.api.chat_template import NO_TOOLS, PART_SEPARATOR, conversation, render_chat_prompt
 from reuse_server.api.completions import completion_chunks, completion_prompt
 from reuse_server.api.errors import describe_validation_error
 from reuse_server.api.generation import (SSE_DONE, cache_options, check_common, choice_params, interleave,
@@ -17,7 +18,7 @@ from reuse_server.api.generation import (SSE_DONE, cache_options, check_common, 
 from reuse_server.api.prompt_chunks import leading_special_tokens
 from reuse_server.api.protocol import CacheChunksRequest, ChatCompletionRequest, CompletionRequest
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
-from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
 from tiny_checkpoint import build_tokenizer
 
 
@@ -295,8 +296,13 @@ def _frames(chunks_factory, items):
     return [json.loads(f[len("data: "):]) for f in frames[:-1]]
 
 
+def _chat_chunks(request_id, created, include_usage, logprobs):
+    chat = PreparedChat(request_id, [1], SamplingParams(), NO_TOOLS, CacheOptions(), 1)
+    return lambda outputs: chat_chunks(chat, answer_steps(chat, outputs), created, "m", include_usage, logprobs)
+
+
 def test_chat_stream_frames_match_openai():
-    events = _frames(lambda o: chat_chunks(o, 1, "chatcmpl-1", 123, "m", True, False), _outputs(["Hel", "", "lo"]))
+    events = _frames(_chat_chunks("chatcmpl-1", 123, True, False), _outputs(["Hel", "", "lo"]))
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-1" and e["model"] == "m"
                for e in events)
@@ -314,7 +320,7 @@ def test_chat_stream_frames_match_openai():
 
 
 def test_chat_stream_without_usage_and_with_logprobs():
-    events = _frames(lambda o: chat_chunks(o, 1, "c", 1, "m", False, True), _outputs(["a", "b"], "stop", logprobs=True))
+    events = _frames(_chat_chunks("c", 1, False, True), _outputs(["a", "b"], "stop", logprobs=True))
     assert all("usage" not in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "stop"
     content = [e["choices"][0]["logprobs"]["content"][0] for e in events[1:-1]]
     assert [c["token"] for c in content] == ["a", "b"]
@@ -334,7 +340,7 @@ def test_completion_stream_frames():
 @pytest.mark.parametrize("error, expected_type", [(InvalidRequest("too long", "prompt"), "invalid_request_error"),
                                                   (RuntimeError("boom"), "server_error")])
 def test_error_after_stream_started_is_an_error_event(error, expected_type):
-    events = _frames(lambda o: chat_chunks(o, 1, "c", 1, "m", True, False), [*_outputs(["a", "b"])[:1], error])
+    events = _frames(_chat_chunks("c", 1, True, False), [*_outputs(["a", "b"])[:1], error])
     assert events[-1]["error"]["type"] == expected_type
     assert "boom" not in json.dumps(events[-1])  # internals stay in the log
 
@@ -351,7 +357,7 @@ def test_closing_the_stream_closes_the_engine_iterator():
 
     async def run():
         outputs = interleave([engine_outputs()])
-        events = sse_events(chat_chunks(outputs, 1, "c", 1, "m", False, False), outputs)
+        events = sse_events(_chat_chunks("c", 1, False, False)(outputs), outputs)
         await events.__anext__()
         await events.__anext__()
         await events.aclose()  # what SSEResponse does when the client goes away mid-stream

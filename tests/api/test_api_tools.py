@@ -3,6 +3,7 @@ random checkpoint (whose calls and JSON are valid only because decoding is const
 SmolLM2 where the behaviour depends on a real model."""
 import json
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -90,19 +91,21 @@ def test_constrained_tool_choice_makes_valid_calls_streamed_or_not(client, tool_
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
-def test_parallel_calls_are_numbered(client, tiny_llama_path):
-    """With the end of the answer ruled out (logit_bias), the grammar lets the model only write call after call:
-    the complete ones come back as tool calls (in order, streamed with indices 0, 1, ...), the one cut short
-    by max_tokens only in the stream, and the finish reason says the answer was cut."""
+def test_parallel_calls_are_numbered_and_the_cut_one_is_dropped(client, tiny_llama_path):
+    """With the end of the answer ruled out (logit_bias), the grammar lets the model only write call after call
+    until max_tokens: the complete ones come back as tool calls (in order, streamed with indices 0, 1, ...),
+    the one cut short is dropped whole or streamed, never content, and the finish reason is "tool_calls"."""
     eos = AutoTokenizer.from_pretrained(tiny_llama_path).eos_token_id
     kw = dict(max_tokens=300, logit_bias={str(eos): -100})
     whole = ask(client, "required", **kw)
     calls = whole.choices[0].message.tool_calls
-    assert whole.choices[0].finish_reason == "length" and len(calls) >= 2
+    assert whole.choices[0].finish_reason == "tool_calls" and len(calls) >= 2
+    assert whole.choices[0].message.content is None
+    assert whole.usage.completion_tokens == 300  # it did run out of tokens
     check_calls(calls, {"get_weather", "get_time"})
-    _, streamed, reasons, _ = collect_stream(ask(client, "required", stream=True, **kw))
-    assert reasons == ["length"] and sorted(streamed) == list(range(len(streamed)))
-    assert [(name, args) for _, name, args in streamed.values()][:len(calls)] == [
+    content, streamed, reasons, _ = collect_stream(ask(client, "required", stream=True, **kw))
+    assert content == "" and reasons == ["tool_calls"] and sorted(streamed) == list(range(len(streamed)))
+    assert [(name, args) for _, name, args in streamed.values()] == [
         (c.function.name, c.function.arguments) for c in calls]
 
 
@@ -208,6 +211,54 @@ def test_smollm2_calls_are_valid_and_the_next_step_hits_the_cache(smollm2):
                                              temperature=0)
     head = head_tokens(AutoTokenizer.from_pretrained(resolve_model("smollm2")), "search_web")
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + head
+
+
+POPULATION_TOOL = {"type": "function", "function": {
+    "name": "lookup_population", "description": "The population of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_smollm2_cut_parallel_call_never_leaks_into_content(smollm2, stream):
+    """SmolLM2 with tool_choice "required" and parallel calls allowed writes one call, then starts another
+    until max_tokens: the complete call comes back with finish_reason "tool_calls", the cut one is dropped
+    and none of its markup reaches the content."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "What is the population of Paris?"}],
+              tools=[POPULATION_TOOL], tool_choice="required", max_tokens=40, temperature=0)
+    if stream:
+        content, calls, reasons, usage = collect_stream(smollm2.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw))
+        calls = [(name, args) for _, name, args in calls.values()]
+        reason = reasons[0]
+    else:
+        answer = smollm2.chat.completions.create(**kw)
+        choice, usage = answer.choices[0], answer.usage
+        content, reason = choice.message.content or "", choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert usage.completion_tokens == 40  # the model did run out of tokens in a call
+    assert reason == "tool_calls" and calls and "tool_call" not in content and content == ""
+    for name, arguments in calls:
+        assert name == "lookup_population" and isinstance(json.loads(arguments)["city"], str)
+
+
+def test_smollm2_cut_call_is_dropped_on_the_agent_dialects(smollm2):
+    """The same cut parallel call through /v1/responses and /v1/messages: only the complete call comes back,
+    and the answer counts as a finished tool step there too."""
+    question = "What is the population of Paris?"
+    base = str(smollm2.base_url).rstrip("/").removesuffix("/v1")
+    response = smollm2.responses.create(model="smollm2", input=question, temperature=0, max_output_tokens=40,
+                                        tools=[{"type": "function", **POPULATION_TOOL["function"]}],
+                                        tool_choice="required")
+    assert response.status == "completed" and response.usage.output_tokens == 40
+    assert response.output and all(item.type == "function_call" for item in response.output)
+    assert all(json.loads(item.arguments)["city"] for item in response.output)
+    message = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120).messages.create(
+        model="smollm2", max_tokens=40, messages=[{"role": "user", "content": question}],
+        tools=[{"name": "lookup_population", "input_schema": POPULATION_TOOL["function"]["parameters"]}],
+        tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == 40
+    assert message.content and all(b.type == "tool_use" and b.input["city"] for b in message.content)
 
 
 def test_smollm2_json_object(smollm2):

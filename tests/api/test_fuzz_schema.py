@@ -23,8 +23,11 @@ pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks"), ("POST", "/v1/cache/prefetch"),
-          ("GET", "/v1/cache/stats"), ("GET", "/server_info"), ("GET", "/model_info"), ("GET", "/get_load")]
-CASES = {"POST": 80, "GET": 15}  # per route: 330 in all, about half of them schema-invalid
+          ("GET", "/v1/cache/stats"), ("GET", "/server_info"), ("GET", "/model_info"), ("GET", "/get_load"),
+          ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+          ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]
+CASES = {"POST": 80, "GET": 15, "DELETE": 15}  # per route: 330 in all, about half of them schema-invalid
+NAMED_EVENTS = {"/v1/messages", "/v1/responses"}
 CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 
 
@@ -34,6 +37,12 @@ def sse_events_are_chunks_then_done(ctx, response, case) -> None:
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return
     frames = response.content.decode().split("\n\n")
+    if case.operation.path in NAMED_EVENTS:  # event: NAME / data: JSON whose type is NAME; no [DONE]
+        assert frames[-1] == "" and all(f.startswith("event: ") for f in frames[:-1]), frames[-3:]
+        for frame in frames[:-1]:
+            name, data = frame.split("\n")
+            assert json.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
+        return
     assert frames[-1] == "" and frames[-2] == "data: [DONE]", frames[-3:]
     events = [frame.removeprefix("data: ") for frame in frames[:-2]]
     assert all(frame.startswith("data: ") for frame in frames[:-1])

@@ -137,7 +137,7 @@ def test_fallback_writes_calls_back_as_the_model_wrote_them_and_tool_outputs_as_
     text = tokenizer.decode(prompt.token_ids)
     written = call_text("get_weather", arguments)
     assert f"<|im_start|>assistant\n{written}<|im_end|>" in text
-    assert parse_tool_calls(written)[1][0].arguments == arguments  # what the server answered is what comes back
+    assert parse_tool_calls(written).calls[0].arguments == arguments  # what the server answered is what comes back
     assert "<|im_start|>tool\n<tool_response>\nSunny and 21 degrees all week in Paris.\n</tool_response><|im_end|>" in text
     output = tokenizer.encode("Sunny and 21 degrees all week in Paris.", add_special_tokens=False)
     assert any(prompt.token_ids[s:s + n] == output for s, n in prompt.chunk_spans), "the tool output is a chunk"
@@ -257,8 +257,9 @@ ANSWERS = [
 
 @pytest.mark.parametrize("text, content, calls", ANSWERS)
 def test_parse_whole_answers(text, content, calls):
-    got_content, got = parse_tool_calls(text)
-    assert got_content == content and [(c.name, c.arguments) for c in got] == calls
+    parsed = parse_tool_calls(text)
+    got_content, got = parsed.content, parsed.calls
+    assert got_content == content and parsed.cut == 0 and [(c.name, c.arguments) for c in got] == calls
     assert all(isinstance(json.loads(c.arguments), dict) for c in got)  # strict JSON
     assert all(c.id.startswith("call_") for c in got) and len({c.id for c in got}) == len(got)
     assert finish_reason("stop", bool(got)) == ("tool_calls" if calls else "stop")
@@ -291,7 +292,37 @@ def test_streamed_answers_give_the_same_calls_however_the_text_is_cut(text, cont
                                                       default=len(kinds))
 
 
-def test_a_call_cut_short_streams_all_the_model_wrote():
-    stream = ToolCallStream()
-    events = stream.feed('<tool_call>\n{"name": "f", "arguments": {"city": "Par') + stream.finish()
-    assert [(e.kind, e.name or e.text) for e in events] == [("call", "f"), ("arguments", '{"city": "Par')]
+# What SmolLM2 wrote with tool_choice "required" and parallel calls allowed: one call, then the start of
+# another until max_tokens.
+SMOLLM2_CUT = ('<tool_call>\n{"name": "lookup_population", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "lookup_population", "arguments": { "city')
+CUT_ANSWERS = [
+    (SMOLLM2_CUT, None, [("lookup_population", '{"city": "Paris"}')], "tool_calls", 1),
+    ('<tool_call>\n{"name": "f", "arguments": {"city": "Par', None, [], "length", 1),  # the only call was cut
+    (CALL + "\n<tool_", None, [("get_weather", '{"city": "Paris", "days": 3}')], "tool_calls", 1),  # in the tag
+    ("Sure.\n" + CALL + " and then some te", "Sure.\n and then some te",
+     [("get_weather", '{"city": "Paris", "days": 3}')], "length", 0),  # the content after the call was cut
+    ("Sure.\n<tool_call>\n{\"na", "Sure.", [], "length", 1),
+]
+
+
+@pytest.mark.parametrize("text, content, calls, reason, cut", CUT_ANSWERS)
+def test_a_cut_call_is_dropped_never_content(text, content, calls, reason, cut):
+    """An answer that ran out of tokens inside a call: the complete calls are returned, the cut one is
+    dropped (and counted), whole or streamed however the text is cut, and nothing of it is content."""
+    parsed = parse_tool_calls(text, truncated=True)
+    assert parsed.content == content and [(c.name, c.arguments) for c in parsed.calls] == calls
+    assert parsed.finish_reason("length") == reason and "<tool" not in (parsed.content or "")
+    assert parsed.cut == cut
+    seed = random.randrange(2**32)
+    print("seed", seed)
+    rng = random.Random(seed)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(30, len(text) - 1))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        stream = ToolCallStream()
+        events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish(truncated=True)
+        streamed_content = "".join(e.text for e in events if e.kind == "content")
+        assert streamed_content.split() == (content or "").split(), pieces  # the same words; spacing may differ
+        streamed = [(e.name, events[k + 1].text) for k, e in enumerate(events) if e.kind == "call"]
+        assert streamed == calls and stream.cut == parsed.cut and stream.finish_reason("length") == reason, pieces
