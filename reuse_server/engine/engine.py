@@ -38,6 +38,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.sampler = parts.sampler
         self.tiers = parts.tiers
+        self.events = parts.events
         mc = self.model_config
         self.eos_ids = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -294,5 +295,8 @@ class LLMEngine:
     def close(self, timeout: float = 10.0) -> bool:
         """The server is stopping and every request has ended (AsyncEngine calls this last, on the engine
         thread): flush what the tiers still have to write (up to `timeout` seconds) and stop their writers."""
-        return self.tiers.close(timeout) if self.tiers is not None else True
+        done = self.tiers.close(timeout) if self.tiers is not None else True
+        if self.events is not None:
+            self.events.close()
+        return done
 
