@@ -36,14 +36,21 @@ def requested_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
-    check_model(body, engine.model_id)
-    check_common(body)
+async def chat_prompt(body: ChatCompletionRequest, request: Request):
+    """The prompt's token ids and chunk spans as the chat template renders the messages (tools and earlier
+    calls included), tokenized on a worker thread, and the request's tool settings."""
     tools = tool_settings(body)
-    logprobs = requested_logprobs(body)
     tokenizing = request.app.state.tokenizing
     prompt_ids, chunk_spans = await tokenizing.run(render_chat_prompt, tokenizing.tokenizer_for(request.state.tenant),
                                                    body.messages, tools)
+    return prompt_ids, chunk_spans, tools
+
+
+async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
+    check_model(body, engine.model_id)
+    check_common(body)
+    logprobs = requested_logprobs(body)
+    prompt_ids, chunk_spans, tools = await chat_prompt(body, request)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))

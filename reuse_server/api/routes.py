@@ -22,6 +22,7 @@ from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, 
                                        CachePrefetchResponse, ChatCompletionRequest,
                                        ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
                                        HealthStatus, ModelCard, ModelList)
+from reuse_server.api.render import render_chat, render_completion
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -111,6 +112,21 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @v1.post("/chat/completions", response_model=None, responses=_generation(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _answer(create_chat_completion, body, request)
+
+
+# vLLM's render endpoints (api/render.py): the prompt's token ids, for a KV-aware router
+_RENDERED = {200: {"content": {"application/json": {"schema": {"type": ["object", "array"]}}},
+                   "description": "The prompt's token ids."}, **_ERRORS}
+
+
+@v1.post("/completions/render", response_model=None, responses=_RENDERED)
+async def completions_render(body: CompletionRequest, request: Request) -> Response:
+    return await _answer(render_completion, body, request)
+
+
+@v1.post("/chat/completions/render", response_model=None, responses=_RENDERED)
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _answer(render_chat, body, request)
 
 
 @v1.post("/cache/chunks", response_model=None,
