@@ -23,8 +23,9 @@ pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
 ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks"), ("POST", "/v1/cache/prefetch"),
-          ("GET", "/v1/cache/stats"), ("GET", "/server_info"), ("GET", "/model_info"), ("GET", "/get_load")]
-CASES = {"POST": 80, "GET": 15}  # per route: 330 in all, about half of them schema-invalid
+          ("GET", "/v1/cache/stats"), ("GET", "/server_info"), ("GET", "/model_info"), ("GET", "/get_load"),
+          ("POST", "/v1/completions/render"), ("POST", "/v1/chat/completions/render")]
+CASES = {"POST": 80, "GET": 15}  # per route: 585 in all, about half of them schema-invalid
 CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 
 
