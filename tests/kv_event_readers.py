@@ -84,7 +84,7 @@ class RouterView:
                 held[h] = (self.local_hash(block), parent)
                 parent = h
 
-    def cached_blocks(self, tokens: list[int], medium: str = "device") -> int:
+    def cached_blocks(self, tokens: list[int], medium: str = "GPU") -> int:
         """How many leading full blocks of `tokens` the router would find on this worker in `medium`: an
         unbroken chain from a root whose local hashes are the prompt's."""
         held = self.blocks.get(medium, {})

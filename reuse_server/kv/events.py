@@ -4,15 +4,17 @@ router, llm-d's precise prefix scorer).
 
 The events are the radix cache's own (radix.events: a full block stored in the tree, or evicted from it) and
 the tiers' (a block copied out to host RAM, written to disk or Redis, or pushed out of host RAM), each with the
-`medium` it now lives in: device, host, disk or redis. Only exact prompt KV is announced: blended KV and chunk
+`medium` it now lives in: device, host, disk or redis (GPU, CPU, DISK, REDIS on the wire: MEDIA). Only exact prompt KV is announced: blended KV and chunk
 index entries (their own namespaces, at positions a prompt's prefix never has) would only mislead a router.
 
 Wire format, as vllm-router 0.1.17 and Dynamo 1.6.1 both read it (../shared/REFERENCES.md):
 - a ZMQ PUB socket (XPUB here, so we can count subscribers) sending multipart
   `[topic, sequence number (8 bytes big-endian), msgpack([timestamp, [event, ...], data_parallel_rank])]`;
 - each event a msgpack map tagged by `"type"`: `BlockStored` (block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name), `BlockRemoved` (block_hashes, medium), `AllBlocksCleared`. One
-  `BlockStored` per unbroken chain (block i's parent is block i-1), as vLLM sends them;
+  block_size, lora_id, medium, lora_name), `BlockRemoved` (block_hashes, medium). One `BlockStored` per
+  unbroken chain (block i's parent is block i-1), as vLLM sends them. `AllBlocksCleared` is never needed: a
+  cache reset evicts, so each block's removal is sent, and a restarted server numbers its batches from 0 again,
+  which routers take for a new run;
 - block hashes are 63-bit unsigned integers (the first 8 bytes of our chained hash, shifted so that no reader
   takes them for a negative int64); the parent of a prompt's first block is nil. Routers hash the token ids
   themselves (sha256 per block in vllm-router, xxh3-64 in Dynamo), so they must be told our block size; our
@@ -42,7 +44,9 @@ from reuse_server.kv.block_manager import APPROXIMATE
 
 log = logging.getLogger(__name__)
 
-MEDIA = ("device", "host", "disk", "redis")
+# Where a block lives, as the events spell it: vLLM's own names where it has them (GPU for the engine's pool,
+# whatever its device; CPU for host RAM, which Dynamo counts as host-pinned), so both routers know the tier.
+MEDIA = {"device": "GPU", "host": "CPU", "disk": "DISK", "redis": "REDIS"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _CHUNK_TAGS = (ChunkIndex.chunk_namespace(alone=True), ChunkIndex.chunk_namespace(alone=False))
 _POLL_SECONDS = 0.05
@@ -92,8 +96,10 @@ class KVEvents:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ValueError(f"cannot publish KV events on {endpoint} / {replay_endpoint}: {exc}") from exc
+        # Nothing is sent before the first block: a subscriber's first batch is then sequence number 0, as from
+        # vLLM (Dynamo's listener takes a first batch numbered higher for a gap). A router that knew an earlier
+        # run of this server sees the numbers start again and forgets what it knew.
         self._running = True
-        self._put(("cleared", None, None))  # a router that knew an earlier run of this server forgets it
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -122,7 +128,7 @@ class KVEvents:
         """What /server_info says about the events."""
         return dict(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic,
                     block_size=self.block_size, format="vllm", hash="63-bit prefix of the chained block hash",
-                    media=list(MEDIA), published=self.published, dropped=self.dropped,
+                    media=MEDIA, published=self.published, dropped=self.dropped,
                     subscribers=self.subscribers)
 
     def close(self, timeout: float = 2.0) -> None:
@@ -169,12 +175,10 @@ class KVEvents:
     def _send(self, items: list) -> None:
         events = []
         for kind, medium, records in items:
-            if kind == "cleared":
-                events.append({"type": "AllBlocksCleared"})
-                continue
             records = [r for r in records if r.hash and announced(r.namespace)]
             if not records:
                 continue
+            medium = MEDIA[medium]
             if kind == "stored":
                 events.extend(self._stored_events(records, medium))
             else:

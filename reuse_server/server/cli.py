@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     from reuse_server.server.cluster import add_parser as add_cluster_parser  # torch-free
 
     add_cluster_parser(commands, _HelpFormatter)
+    from reuse_server.server.dynamo_worker import add_parser as add_dynamo_parser  # imports dynamo only to run
+
+    add_dynamo_parser(commands, _HelpFormatter)
     return parser
 
 
@@ -405,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from reuse_server.server.cluster import run as run_cluster
 
         return run_cluster(args)
+    if args.command == "dynamo-worker":
+        from reuse_server.server.dynamo_worker import run as run_dynamo_worker
+
+        return run_dynamo_worker(sys.argv[1:] if argv is None else list(argv))
     return 2
 
 

@@ -66,27 +66,27 @@ def test_cached_then_evicted_blocks_as_a_router_sees_them(engine, local_hash):
         run(engine, "a", a)
         read(sub, view, lambda: settled(engine, view))
         full = len(a) // BS
-        assert view.cached_blocks(a) == full  # every full prompt block, chained from a root, by its tokens
+        assert view.cached_blocks(a, "GPU") == full  # every full prompt block, chained from a root, by its tokens
         assert view.cached_blocks(prompt(2)) == 0
         # the hashes name the cache's own blocks: the ones a removal will name
         ours = engine.cache.hasher.hash_blocks(a, b"")
-        assert {wire_hash(h) for h in ours} <= set(view.blocks["device"])
+        assert {wire_hash(h) for h in ours} <= set(view.blocks["GPU"])
 
         for i in range(3):  # unrelated prompts that need the whole device pool
             run(engine, f"filler-{i}", prompt(100 + i))
         read(sub, view, lambda: settled(engine, view))
-        assert view.cached_blocks(a, "device") == 0
-        assert view.cached_blocks(a, "host") == full  # demoted to host RAM, announced there
-        removed = {h for e in view.events if e["type"] == "BlockRemoved" and e["medium"] == "device"
+        assert view.cached_blocks(a, "GPU") == 0
+        assert view.cached_blocks(a, "CPU") == full  # demoted to host RAM, announced there
+        removed = {h for e in view.events if e["type"] == "BlockRemoved" and e["medium"] == "GPU"
                    for h in e["block_hashes"]}
         assert {wire_hash(h) for h in ours} <= removed
         # the events kept what the engine holds: every device block the router knows is in the tree
-        assert len(view.blocks["device"]) == engine.cache.stats().cached_blocks - engine.cache._num_tails
+        assert len(view.blocks["GPU"]) == engine.cache.stats().cached_blocks - engine.cache._num_tails
 
         # pulled back from host RAM into the pool: announced on the device again
         run(engine, "a-again", a)
         read(sub, view, lambda: settled(engine, view))
-        assert view.cached_blocks(a, "device") == full
+        assert view.cached_blocks(a, "GPU") == full
     finally:
         sub.close()
 
@@ -99,7 +99,7 @@ def test_a_late_subscriber_gets_the_missed_batches_by_replay(engine):
         read(sub, RouterView(BS), lambda: engine.events.subscribers == 1)
         missed = replay(engine.events.replay_endpoint, 0)
         assert [seq for seq, _ in missed] == list(range(engine.events.published))
-        assert decode_batch(missed[0][1])[1] == [{"type": "AllBlocksCleared"}]  # a new run forgets old ones
+        assert decode_batch(missed[0][1])[1][0]["type"] == "BlockStored"  # numbered from 0, from the first block
         view = RouterView(BS)
         for seq, payload in missed:
             view.apply(seq, payload)
