@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import uuid
 
 from reuse_server.server.launcher import free_port
-
-log = logging.getLogger(__name__)
 
 
 def add_parser(commands, formatter_class) -> None:
@@ -105,10 +102,8 @@ def engine_class():
         async def generate(self, request, context):
             prompt = list(request.get("token_ids") or [])
             stream = self.engine.generate(f"dyn-{uuid.uuid4().hex}", prompt, sampling_params(request))
-            count = 0
             try:
                 async for out in stream:
-                    count = out.num_output_tokens
                     if context.is_stopped():
                         yield {"token_ids": [], "index": 0, "finish_reason": "cancelled",
                                "completion_usage": usage(out)}
@@ -121,7 +116,6 @@ def engine_class():
                     yield chunk
             finally:
                 await stream.aclose()
-            log.debug("request done: %d tokens", count)
 
         async def cleanup(self):
             if self.engine is not None:
