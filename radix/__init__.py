@@ -40,7 +40,7 @@ answer "how much cache would my traffic need?".
 """
 from radix.cache import InsertResult, MatchResult, PartialMatch, RadixCache
 from radix.errors import OutOfBlocks, RadixError
-from radix.events import BlockRecord, CacheListener
+from radix.events import BlockRecord, CacheListener, Listeners
 from radix.hashing import HASH_ALGOS, BlockHasher, check_block_size
 from radix.node import TreeNode
 from radix.policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy
@@ -51,6 +51,7 @@ __all__ = [
     "BlockHasher",
     "BlockRecord",
     "CacheListener",
+    "Listeners",
     "CacheStats",
     "EvictionPolicy",
     "HASH_ALGOS",

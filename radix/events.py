@@ -29,3 +29,18 @@ class CacheListener(Protocol):
     def stored(self, blocks: list[BlockRecord]) -> None: ...
 
     def removed(self, blocks: list[BlockRecord]) -> None: ...
+
+
+class Listeners:
+    """Several listeners heard as one, in order (the tiers first: they copy KV out while it is intact)."""
+
+    def __init__(self, *listeners: CacheListener | None):
+        self.listeners = [listener for listener in listeners if listener is not None]
+
+    def stored(self, blocks: list[BlockRecord]) -> None:
+        for listener in self.listeners:
+            listener.stored(blocks)
+
+    def removed(self, blocks: list[BlockRecord]) -> None:
+        for listener in self.listeners:
+            listener.removed(blocks)

@@ -46,16 +46,25 @@ class PreparedChat:
                                 request.state.deadline)
 
 
+async def chat_prompt(body: ChatCompletionRequest, request: Request,
+                      render: PromptRenderer = render_chat_prompt) -> tuple[list[int], list, ToolSettings]:
+    """The prompt's token ids and chunk spans as the chat template renders the messages (tools and earlier
+    calls included), tokenized on a worker thread, and the request's tool settings: what every generating
+    route and the render endpoint (api/render.py) build."""
+    tools = tool_settings(body)
+    tokenizing = request.app.state.tokenizing
+    prompt_ids, chunk_spans = await tokenizing.run(render, tokenizing.tokenizer_for(request.state.tenant),
+                                                   body.messages, tools)
+    return prompt_ids, chunk_spans, tools
+
+
 async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, request_id: str,
                        logprobs: int | None = None, render: PromptRenderer = render_chat_prompt) -> PreparedChat:
     """Validate, render and tokenize (on a worker thread), compile the output constraint; raises
     InvalidRequest (a 400) for anything the engine could not run."""
     check_model(body, engine.model_id)
     check_common(body)
-    tools = tool_settings(body)
-    tokenizing = request.app.state.tokenizing
-    prompt_ids, chunk_spans = await tokenizing.run(render, tokenizing.tokenizer_for(request.state.tenant),
-                                                   body.messages, tools)
+    prompt_ids, chunk_spans, tools = await chat_prompt(body, request, render)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))

@@ -41,6 +41,13 @@ def completion_prompt(tokenizer, prompt: str | list, separator: str | None = Non
     return PromptChunks(list(tokenizer.encode(prompt)), [])
 
 
+async def completion_prompt_ids(engine, body: CompletionRequest, request: Request) -> PromptChunks:
+    """The prompt's token ids and chunk spans, tokenized on a worker thread."""
+    tokenizing = request.app.state.tokenizing
+    return await tokenizing.run(completion_prompt, tokenizing.tokenizer_for(request.state.tenant), body.prompt,
+                                engine.config.blend_separator)
+
+
 def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
     """OpenAI's legacy logprobs; text offsets count from the start of the generated text."""
     result = CompletionLogprobs()
@@ -62,9 +69,7 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
         raise InvalidRequest("suffix is not supported.", "suffix")
     if body.best_of not in (None, 1):
         raise InvalidRequest(f"Only best_of=1 is supported, got best_of={body.best_of}.", "best_of")
-    tokenizing = request.app.state.tokenizing
-    prompt_ids, chunk_spans = await tokenizing.run(completion_prompt, tokenizing.tokenizer_for(request.state.tenant),
-                                                   body.prompt, engine.config.blend_separator)
+    prompt_ids, chunk_spans = await completion_prompt_ids(engine, body, request)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     params.grammar = await compile_constraint(request, output_constraint(None, body.response_format))
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched

@@ -27,6 +27,7 @@ from reuse_server.api.protocol import (CacheChunksRequest, CacheChunksResponse, 
                                        HealthStatus, ModelCard, ModelList)
 from reuse_server.api.responses import create_response, delete_response, get_response
 from reuse_server.api.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from reuse_server.api.render import render_chat, render_completion
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -152,6 +153,19 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
            responses={**_STORED, 200: {"model": DeletedResponse, "description": "Deleted."}})
 async def remove_response(response_id: str, request: Request) -> Response:
     return await delete_response(request, response_id)
+# vLLM's render endpoints (api/render.py): the prompt's token ids, for a KV-aware router
+_RENDERED = {200: {"content": {"application/json": {"schema": {"type": ["object", "array"]}}},
+                   "description": "The prompt's token ids."}, **_ERRORS}
+
+
+@v1.post("/completions/render", response_model=None, responses=_RENDERED)
+async def completions_render(body: CompletionRequest, request: Request) -> Response:
+    return await _answer(render_completion, body, request)
+
+
+@v1.post("/chat/completions/render", response_model=None, responses=_RENDERED)
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _answer(render_chat, body, request)
 
 
 @v1.post("/cache/chunks", response_model=None,

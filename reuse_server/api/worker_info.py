@@ -30,6 +30,7 @@ class ServerInfo(BaseModel):
     max_prefill_tokens: int  # --max-num-batched-tokens: a step's token budget
     max_model_len: int
     block_size: int
+    kv_events: dict | None = None  # where this server publishes its KV events (kv/events.py), None: it does not
 
 
 class ModelInfo(BaseModel):
@@ -56,7 +57,7 @@ def server_info(engine) -> ServerInfo:
     return ServerInfo(served_model_name=engine.model_id, model_path=_model_path(config), version=VERSION,
                       max_total_tokens=snap["total_blocks"] * block_size, max_running_requests=config.max_num_seqs,
                       max_prefill_tokens=config.max_num_batched_tokens, max_model_len=engine.max_model_len,
-                      block_size=block_size)
+                      block_size=block_size, kv_events=_kv_events(engine))
 
 
 def model_info(engine) -> ModelInfo:
@@ -72,6 +73,11 @@ def load(engine) -> list[RankLoad]:
     held = snap["in_use_blocks"] * snap["memory"]["block_size"]
     return [RankLoad(num_reqs=requests, num_waiting_reqs=waiting, num_tokens=held + engine.num_waiting_tokens,
                      kv_blocks_in_use=snap["in_use_blocks"], kv_blocks_total=snap["total_blocks"])]
+
+
+def _kv_events(engine) -> dict | None:
+    events = engine.engine.events
+    return events.describe() if events is not None else None
 
 
 def _model_path(config) -> str:

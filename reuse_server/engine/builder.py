@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from blend.chunk_index import ChunkIndex
-from radix import RadixCache
+from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
 from reuse_server.engine.blender import Blender, BlendSettings
@@ -29,6 +29,7 @@ from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.engine.runner import ModelRunner
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.scheduler import Scheduler
+from reuse_server.kv.events import KVEvents
 from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class EngineParts:
     runner: ModelRunner
     sampler: Sampler
     tiers: KVTiers | None
+    events: KVEvents | None
 
 
 def build_engine(config: EngineConfig):
@@ -89,8 +91,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     pool = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device,
                 read_dtype=dtype)
     tiers = build_tiers(config, pool, identity)
+    events = KVEvents(config.kv_events, bs, config.kv_events_replay) if config.kv_events else None
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
-                       policy=config.eviction_policy, listener=tiers)
+                       policy=config.eviction_policy, listener=Listeners(tiers, events))
+    if events is not None:
+        events.root = cache.hasher.root
+        if tiers is not None:
+            tiers.events = events
     blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers)
     chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
     settings = BlendSettings(
@@ -113,7 +120,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         attention_kernel=attention_kernel,
         max_model_len=max_model_len,
         pool=pool, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
-        runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers)
+        runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers,
+        events=events)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
              identity.short, num_blocks, bs, kv_quant.spec(pool.dtype).name, pool.bytes_per_token, pool.nbytes / 2**20)
     _return_freed_memory()

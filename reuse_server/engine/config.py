@@ -56,6 +56,9 @@ class EngineConfig:
     disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
     redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
     redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss
+    # KV events in vLLM's format for a KV-aware router (kv/events.py): where to publish, where to answer replays
+    kv_events: str | None = None  # e.g. tcp://127.0.0.1:5557 (default: off)
+    kv_events_replay: str | None = None
     tier_kv_dtype: str = "auto"  # what host/disk/Redis copies are stored in (kv_layout.KV_DTYPES); auto: the pool's
     # non-prefix reuse (blending)
     enable_blend: bool = False  # default for requests that don't say; the chunk index exists either way
@@ -107,6 +110,12 @@ class EngineConfig:
             problems.append(f"unknown disk write policy {self.disk_write_policy!r}; choose through or back")
         if self.cpu_cache_size < 0 or self.disk_cache_size < 1 or self.redis_timeout <= 0:
             problems.append("tier sizes and the Redis timeout must be positive")
+        if self.kv_events_replay and not self.kv_events:
+            problems.append("kv_events_replay needs kv_events (the endpoint the events are published on)")
+        for name in ("kv_events", "kv_events_replay"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                problems.append(f"{name} must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
         if self.blend_score not in ("k", "v", "kv"):
             problems.append(f"unknown blend_score {self.blend_score!r}; choose k, v or kv")
         if problems:

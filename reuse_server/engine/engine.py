@@ -46,6 +46,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.sampler = parts.sampler
         self.tiers = parts.tiers
+        self.events = parts.events
         self.eos_ids = self.scheduler.eos_ids  # the scheduler stops on them (builder: the model's and tokenizer's)
         self.vocab_size = self.model_config.vocab_size
         self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
@@ -305,5 +306,8 @@ class LLMEngine:
     def close(self, timeout: float = 10.0) -> bool:
         """The server is stopping and every request has ended (AsyncEngine calls this last, on the engine
         thread): flush what the tiers still have to write (up to `timeout` seconds) and stop their writers."""
-        return self.tiers.close(timeout) if self.tiers is not None else True
+        done = self.tiers.close(timeout) if self.tiers is not None else True
+        if self.events is not None:
+            self.events.close()
+        return done
 

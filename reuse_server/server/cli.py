@@ -221,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "type would have held")
     tiers.add_argument("--redis-timeout", type=non_negative_float, default=defaults.redis_timeout, metavar="SECONDS",
                        help="a Redis call taking longer counts as a miss")
+    events = serve.add_argument_group(
+        "KV events", "Publish every block stored, moved to a tier or evicted, in vLLM's KV event format, for a "
+        "KV-aware router (vllm-router --policy kv_aware --kv-event-source URL=ENDPOINT, Dynamo --router-mode kv). "
+        "Tell the router this server's --block-size.")
+    events.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                        help="ZMQ endpoint the events are published on (bound here) (default: off)")
+    events.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
+                        help="ZMQ endpoint answering a router that missed events (vLLM's replay protocol)")
     blend = serve.add_argument_group(
         "blending", "Non-prefix KV reuse (CacheBlend): chunks of a prompt (chat messages and text parts, "
         "--blend-separator pieces, POST /v1/cache/chunks documents) reuse cached KV wherever they appear; "
@@ -292,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     from reuse_server.server.cluster import add_parser as add_cluster_parser  # torch-free
 
     add_cluster_parser(commands, _HelpFormatter)
+    from reuse_server.server.dynamo_worker import add_parser as add_dynamo_parser  # imports dynamo only to run
+
+    add_dynamo_parser(commands, _HelpFormatter)
     return parser
 
 
@@ -330,7 +341,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
         cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
         disk_write_policy=args.disk_write_policy, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
-        tier_kv_dtype=args.tier_kv_dtype,
+        tier_kv_dtype=args.tier_kv_dtype, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
@@ -409,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         from reuse_server.server.cluster import run as run_cluster
 
         return run_cluster(args)
+    if args.command == "dynamo-worker":
+        from reuse_server.server.dynamo_worker import run as run_dynamo_worker
+
+        return run_dynamo_worker(sys.argv[1:] if argv is None else list(argv))
     return 2
 
 

@@ -14,7 +14,14 @@ The gateway flags set here (each can be overridden with --gateway-arg):
 - --health-check-interval-secs 2 and --cb-failure-threshold 3: a dead replica leaves the rotation within
   seconds (after 3 failed requests or probes), while the gateway retries the failed requests elsewhere;
 - --prometheus-host 127.0.0.1 --prometheus-port (a free port): the gateway's own metrics listener, which
-  otherwise takes 0.0.0.0:29000 and so fails the second gateway on a machine."""
+  otherwise takes 0.0.0.0:29000 and so fails the second gateway on a machine.
+
+`--router vllm-router` runs vllm-router 0.1.17 instead (the same health and retry flags), by default with its
+`kv_aware` policy, which routes by the replicas' own KV events: each replica publishes them (`--kv-events`,
+`--kv-events-replay` on a free loopback port each) and the router is told, from each replica's /server_info,
+`--kv-event-source URL=ENDPOINT`, `--kv-event-replay-source URL=ENDPOINT`, `--kv-event-block-size` (ours:
+the router hashes the token ids itself) and `--kv-event-model`. It tokenizes each request through the
+replicas' render endpoints (api/render.py)."""
 from __future__ import annotations
 
 import argparse
@@ -32,11 +39,17 @@ import httpx
 
 from reuse_server.server.launcher import ServerStartError, free_port, own_session, redis_process, served
 
-POLICIES = ("round_robin", "power_of_two", "cache_aware", "random")
-GATEWAY_DEFAULTS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
-                    "--cb-failure-threshold", "3", "--log-level", "warn"]
+ROUTERS = ("smg", "vllm-router")
+POLICIES = {"smg": ("round_robin", "power_of_two", "cache_aware", "random"),
+            "vllm-router": ("kv_aware", "round_robin", "power_of_two", "cache_aware", "random")}
+DEFAULT_POLICY = {"smg": "power_of_two", "vllm-router": "kv_aware"}
+ROUTER_MODULES = {"smg": "sglang_router.launch_router", "vllm-router": "vllm_router.launch_router"}
+_HEALTH_FLAGS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
+                 "--cb-failure-threshold", "3"]
+GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, "--log-level", "warn"],
+                    "vllm-router": [*_HEALTH_FLAGS, "--log-level", "warning"]}
 # flags the cluster sets on every replica itself
-OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url")
+OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url", "--kv-events", "--kv-events-replay")
 STOP_SECONDS = 60.0
 
 
@@ -65,14 +78,19 @@ def owned_flag(serve_args: list[str]) -> str | None:
 
 @contextmanager
 def replica_set(count: int, serve_args: list[str], log_dir: Path, redis_url: str | None = None,
-                startup_timeout: float = 300.0) -> Iterator[list[Replica]]:
+                startup_timeout: float = 300.0, kv_events: bool = False) -> Iterator[list[Replica]]:
     """`count` servers with the same flags (and --redis-url), each on a free loopback port; yields them once
-    each answers /health. On the way out each gets SIGTERM and drains."""
+    each answers /health. kv_events: each publishes its KV events too (on free loopback ports). On the way
+    out each gets SIGTERM and drains."""
     extra = ["--redis-url", redis_url] if redis_url else []
     with ExitStack() as stack:
         replicas = []
         for i in range(count):
-            url, proc = stack.enter_context(served([*serve_args, *extra], Path(log_dir) / f"replica-{i}.log",
+            events = []
+            if kv_events:
+                events = ["--kv-events", f"tcp://127.0.0.1:{free_port()}",
+                          "--kv-events-replay", f"tcp://127.0.0.1:{free_port()}"]
+            url, proc = stack.enter_context(served([*serve_args, *extra, *events], Path(log_dir) / f"replica-{i}.log",
                                                    startup_timeout=startup_timeout, new_session=True))
             replicas.append(Replica(url, proc))
         yield replicas
@@ -80,13 +98,17 @@ def replica_set(count: int, serve_args: list[str], log_dir: Path, redis_url: str
 
 @contextmanager
 def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127.0.0.1", port: int | None = None,
-            extra_args: list[str] = (), startup_timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """The SGLang model gateway in front of `worker_urls`; yields (its URL, process) once it lists every
-    worker as healthy. Stopped with SIGTERM on the way out."""
+            extra_args: list[str] = (), startup_timeout: float = 60.0,
+            router: str = "smg") -> Iterator[tuple[str, subprocess.Popen]]:
+    """The router (`smg`: the SGLang model gateway; `vllm-router`) in front of `worker_urls`; yields (its URL,
+    process) once it lists every worker as healthy. Stopped with SIGTERM on the way out."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--policy", policy,
-           "--host", host, "--port", str(port), *GATEWAY_DEFAULTS,
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra_args]
+    cmd = [sys.executable, "-m", ROUTER_MODULES[router], "--worker-urls", *worker_urls, "--policy", policy,
+           "--host", host, "--port", str(port), *GATEWAY_DEFAULTS[router],
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    if router == "vllm-router" and policy == "kv_aware":
+        cmd += kv_event_flags(worker_urls)
+    cmd += extra_args
     log_path = Path(log_dir) / "gateway.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=own_session)
@@ -96,6 +118,24 @@ def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127
         yield url, proc
     finally:
         stop(proc)
+
+
+def kv_event_flags(worker_urls: list[str]) -> list[str]:
+    """vllm-router's flags for routing by the workers' KV events, from what each says at /server_info."""
+    flags, block_sizes, models = [], set(), set()
+    for url in worker_urls:
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        events = info.get("kv_events")
+        if not events:
+            raise ServerStartError(f"{url} publishes no KV events (start it with --kv-events tcp://HOST:PORT)")
+        flags += ["--kv-event-source", f"{url}={events['endpoint']}"]
+        if events.get("replay_endpoint"):
+            flags += ["--kv-event-replay-source", f"{url}={events['replay_endpoint']}"]
+        block_sizes.add(events["block_size"])
+        models.add(info["served_model_name"])
+    if len(block_sizes) != 1 or len(models) != 1:
+        raise ServerStartError(f"the replicas differ in block size {sorted(block_sizes)} or model {sorted(models)}")
+    return [*flags, "--kv-event-block-size", str(block_sizes.pop()), "--kv-event-model", models.pop()]
 
 
 def wait_for_workers(url: str, proc: subprocess.Popen, count: int, timeout: float, log_path: Path) -> None:
@@ -128,13 +168,16 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_SECONDS) -> None:
 @contextmanager
 def cluster(replicas: int, policy: str, serve_args: list[str], log_dir: Path, redis_url: str | None = None,
             host: str = "127.0.0.1", port: int | None = None, gateway_args: list[str] = (),
-            redis_maxmemory: str = "1gb") -> Iterator[ClusterUrls]:
+            redis_maxmemory: str = "1gb", router: str = "smg") -> Iterator[ClusterUrls]:
     """Redis (a local one unless redis_url), the replicas, the gateway; stopped in the reverse order."""
     with ExitStack() as stack:
         if redis_url is None:
             redis_url, _ = stack.enter_context(redis_process(maxmemory=redis_maxmemory, new_session=True))
-        urls = [r.url for r in stack.enter_context(replica_set(replicas, serve_args, log_dir, redis_url))]
-        gateway_url, proc = stack.enter_context(gateway(urls, policy, log_dir, host, port, list(gateway_args)))
+        events = router == "vllm-router" and policy == "kv_aware"
+        urls = [r.url for r in stack.enter_context(replica_set(replicas, serve_args, log_dir, redis_url,
+                                                                kv_events=events))]
+        gateway_url, proc = stack.enter_context(gateway(urls, policy, log_dir, host, port, list(gateway_args),
+                                                        router=router))
         yield ClusterUrls(gateway=gateway_url, replicas=urls, redis=redis_url, gateway_process=proc)
 
 
@@ -147,9 +190,14 @@ def add_parser(commands, formatter_class) -> None:
                     "the gateway, then the replicas (they drain), then Redis. Flags after `--` go to every replica, "
                     "e.g. `reuse-server cluster --replicas 2 -- --kv-cache-memory 512MiB`.")
     p.add_argument("--replicas", type=_positive_int, default=2, help="servers behind the gateway")
-    p.add_argument("--policy", choices=POLICIES, default="power_of_two",
-                   help="the gateway's load balancing: power_of_two (the less loaded of two, by the tokens each "
-                        "replica reports at /get_load), round_robin, cache_aware (prompt-prefix affinity), random")
+    p.add_argument("--router", choices=ROUTERS, default="smg",
+                   help="smg: the SGLang model gateway; vllm-router: vLLM's router, whose kv_aware policy routes by "
+                        "the replicas' KV events")
+    p.add_argument("--policy", choices=sorted(set(POLICIES["smg"]) | set(POLICIES["vllm-router"])), default=None,
+                   help="the router's load balancing: power_of_two (the less loaded of two, by the tokens each "
+                        "replica reports at /get_load; smg's default), round_robin, cache_aware (prompt-prefix "
+                        "affinity), random, kv_aware (vllm-router only, its default: where the replicas' KV "
+                        "events say the prompt is cached)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--port", type=_positive_int, default=8000, help="port the gateway listens on")
     p.add_argument("--redis-url", default=None, metavar="URL",
@@ -189,6 +237,10 @@ def run(args: argparse.Namespace) -> int:
     flag = owned_flag(serve_args)
     if flag:
         args.command_parser.error(f"{flag} is set by the cluster for each replica; use the cluster's own flags")
+    args.policy = args.policy or DEFAULT_POLICY[args.router]
+    if args.policy not in POLICIES[args.router]:
+        args.command_parser.error(f"--policy {args.policy} is not one of {args.router}'s: "
+                                  f"{', '.join(POLICIES[args.router])}")
     if args.policy == "power_of_two" and args.replicas < 2:
         args.command_parser.error("--policy power_of_two needs at least 2 replicas (the gateway refuses fewer); "
                                   "use --policy round_robin for one")
@@ -198,11 +250,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"reuse-server cluster: logs in {log_dir}", flush=True)
     try:
         with cluster(args.replicas, args.policy, serve_args, log_dir, args.redis_url, args.host, args.port,
-                     args.gateway_args, args.redis_maxmemory) as urls:
+                     args.gateway_args, args.redis_maxmemory, args.router) as urls:
             print(f"redis:    {urls.redis}", flush=True)
             for i, url in enumerate(urls.replicas):
                 print(f"replica {i}: {url}", flush=True)
-            print(f"gateway:  {urls.gateway} (policy {args.policy}); OpenAI base URL {urls.gateway}/v1", flush=True)
+            print(f"gateway:  {urls.gateway} ({args.router}, policy {args.policy}); OpenAI base URL "
+                  f"{urls.gateway}/v1", flush=True)
             print("ready; Ctrl+C stops everything", flush=True)
             signal.signal(signal.SIGINT, _raise_stop)
             while urls.gateway_process.poll() is None:

@@ -25,8 +25,9 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST
           ("POST", "/v1/chat/completions"), ("POST", "/v1/cache/chunks"), ("POST", "/v1/cache/prefetch"),
           ("GET", "/v1/cache/stats"), ("GET", "/server_info"), ("GET", "/model_info"), ("GET", "/get_load"),
           ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
-          ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}")]
-CASES = {"POST": 80, "GET": 15, "DELETE": 15}  # per route: 330 in all, about half of them schema-invalid
+          ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+          ("POST", "/v1/completions/render"), ("POST", "/v1/chat/completions/render")]
+CASES = {"POST": 80, "GET": 15, "DELETE": 15}  # per route, about half of them schema-invalid
 NAMED_EVENTS = {"/v1/messages", "/v1/responses"}
 CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 

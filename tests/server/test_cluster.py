@@ -92,6 +92,8 @@ def test_one_command_runs_redis_replicas_and_the_gateway_and_stops_them_all(tiny
     (["--replicas", "1", "--policy", "power_of_two"], "needs at least 2 replicas"),
     (["--replicas", "0"], "must be at least 1"),
     (["--policy", "fastest"], "invalid choice"),
+    (["--policy", "kv_aware"], "is not one of smg's"),  # the SGLang gateway reads no KV events
+    (["--router", "vllm-router", "--", "--kv-events", "tcp://127.0.0.1:9"], "--kv-events is set by the cluster"),
 ])
 def test_the_cluster_refuses_bad_flags_before_starting_anything(args, message):
     done = subprocess.run([sys.executable, "-m", "reuse_server.server.cli", "cluster", *args], cwd=REPO,

@@ -59,8 +59,17 @@ class KVTiers:
         self.dtype = dtype
         self.layout = pool.layout_for(dtype)
         self.costs = FetchCosts(pool.block_size)
-        if host is not None and disk is not None and write_policy == "back":
-            host.on_evict = disk.put  # what leaves RAM goes to disk
+        self.events = None  # kv.events.KVEvents: told where each block goes (None: nobody asks)
+        if host is not None:
+            host.on_evict = self._host_evicted
+
+    def _host_evicted(self, entries: list[BlockEntry]) -> None:
+        if self.events is not None:
+            self.events.tier_removed(self.host.name, entries)
+        if self.disk is not None and self.write_policy == "back":  # what leaves RAM goes to disk
+            self.disk.put(entries)
+            if self.events is not None:
+                self.events.tier_stored(self.disk.name, entries)
 
     # ---- the radix cache's listener --------------------------------------------------------
     def stored(self, records: list[BlockRecord]) -> None:
@@ -85,6 +94,8 @@ class KVTiers:
                    for i, r in enumerate(records)]
         for tier in targets:
             tier.put(entries)
+            if self.events is not None:
+                self.events.tier_stored(tier.name, entries)
 
     # ---- finding blocks --------------------------------------------------------------------
     def fetch(self, wanted: list[Wanted], contiguous: bool) -> dict[int, Found]:

@@ -1,0 +1,31 @@
+"""POST /v1/completions/render and /v1/chat/completions/render (vLLM's render endpoints): the prompt's token ids
+exactly as /v1/completions and /v1/chat/completions build them (the same code: chat template, tools, content
+parts, --blend-separator), without generating. A KV-aware router (vllm-router `kv_aware`) asks a worker for them
+and hashes them into blocks to find the replica that holds the most of the prompt. Nothing is queued and no KV
+block is touched."""
+from __future__ import annotations
+
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from reuse_server.api.chat import chat_prompt
+from reuse_server.api.completions import completion_prompt_ids
+from reuse_server.api.generation import check_model
+from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest
+
+
+async def render_completion(engine, body: CompletionRequest, request: Request) -> JSONResponse:
+    """A list with one entry per prompt (vLLM renders batches; we take one prompt a request)."""
+    check_model(body, engine.model_id)
+    prompt_ids, _ = await completion_prompt_ids(engine, body, request)
+    return JSONResponse([{"request_id": f"cmpl-{uuid.uuid4().hex}", "token_ids": prompt_ids, "sampling_params": {},
+                          "model": engine.model_id}])
+
+
+async def render_chat(engine, body: ChatCompletionRequest, request: Request) -> JSONResponse:
+    check_model(body, engine.model_id)
+    prompt_ids, _, _ = await chat_prompt(body, request)
+    return JSONResponse({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": prompt_ids,
+                         "model": engine.model_id})

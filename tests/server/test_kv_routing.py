@@ -1,0 +1,129 @@
+"""Behind vllm-router 0.1.17 (`--policy kv_aware`), the real router on loopback in front of two replicas that
+publish their KV events: a prompt a replica already holds, warmed by calling that replica directly (so only
+its events can tell the router), goes to that replica; once a replica has evicted a prompt both held, the
+prompt goes to the other. Which replica served each request is read from each replica's /metrics.
+
+The router ingests events on its own schedule and shows nothing of its index; after a replica has published
+the events of a warm-up the test gives the router a moment (a safety margin, not a measure) before routing."""
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import pytest
+
+from reuse_server.server.cluster import gateway, replica_set
+from server_process import metric, scrape
+
+pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
+
+BS = 4
+SEED = 20261201
+WORDS = ("river salt wool grain trader spring market bridge tower harbor winter lantern copper meadow orchard "
+         "archive signal engine quarry garden mirror").split()
+
+
+def text(seed: int, words: int = 15) -> str:
+    """About 6 tokens a word with the tiny checkpoint's tokenizer (its context is 256 tokens)."""
+    rng = random.Random(SEED + seed)
+    print("text seed", SEED + seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("kv-routing")
+    args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
+            "--num-gpu-blocks", "64", "--no-blend-key-shift"]
+    with replica_set(2, args, logs, kv_events=True) as replicas, \
+            gateway([r.url for r in replicas], "kv_aware", logs, router="vllm-router") as (url, _):
+        urls = [r.url for r in replicas]
+        deadline = time.monotonic() + 60
+        while not all(events(u)["subscribers"] >= 1 for u in urls):  # the router has subscribed to each
+            assert time.monotonic() < deadline, "the router did not subscribe to the replicas' events"
+            time.sleep(0.1)
+        yield url, urls
+
+
+def events(url: str) -> dict:
+    return httpx.get(url + "/server_info").json()["kv_events"]
+
+
+def served(url: str) -> float:
+    return metric(scrape(url), "kvreuse_requests_total", finish_reason="length")
+
+
+def complete(url: str, prompt: str, chat: bool = False) -> dict:
+    if chat:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    else:
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def render(url: str, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}
+        return httpx.post(url + "/v1/chat/completions/render", json=body).json()["token_ids"]
+    return httpx.post(url + "/v1/completions/render", json={"model": "tiny", "prompt": prompt}).json()[0]["token_ids"]
+
+
+def shared_blocks(url: str, first: str, second: str, chat: bool) -> int:
+    """Tokens of `second` in full blocks that `first` already computed (the last token is always computed)."""
+    a, b = render(url, first, chat), render(url, second, chat)
+    n = 0
+    while n < min(len(a), len(b) - 1) and a[n] == b[n]:
+        n += 1
+    return n // BS * BS
+
+
+def warm(url: str, prompt: str, chat: bool = False) -> dict:
+    """Run `prompt` on one replica directly; return once its events are out (and the router had a moment)."""
+    before = events(url)["published"]
+    out = complete(url, prompt, chat)
+    deadline = time.monotonic() + 30
+    while events(url)["published"] == before:
+        assert time.monotonic() < deadline, "the replica published no events"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return out
+
+
+def routed(router: str, replicas: list[str], prompt: str, chat: bool = False) -> tuple[int, dict]:
+    """Send `prompt` through the router; which replica served it, and the answer."""
+    before = [served(u) for u in replicas]
+    out = complete(router, prompt, chat)
+    grew = [i for i, u in enumerate(replicas) if served(u) > before[i]]
+    assert len(grew) == 1, grew
+    return grew[0], out
+
+
+@pytest.mark.parametrize("holder,chat", [(0, False), (1, True), (1, False), (0, True)])
+def test_a_prompt_goes_to_the_replica_whose_events_say_it_holds_it(cluster, holder, chat):
+    router, replicas = cluster
+    prompt = text(10 * holder + chat)
+    first = warm(replicas[holder], prompt, chat)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nobody held it before
+    second = prompt + " and then the harbor"
+    where, out = routed(router, replicas, second, chat)
+    assert where == holder
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared_blocks(replicas[0], prompt, second, chat) > 0
+
+
+@pytest.mark.parametrize("evicting", [0, 1])
+def test_a_replicas_evictions_move_the_prompt_to_the_other(cluster, evicting):
+    router, replicas = cluster
+    prompt = text(100 + evicting)
+    for url in replicas:
+        warm(url, prompt)
+    target = replicas[evicting]
+    evicted = metric(scrape(target), "kvreuse_evicted_blocks_total")
+    for i in range(3):  # unrelated prompts that need the whole device pool (the prompt is the oldest in it)
+        warm(target, text(200 + 10 * evicting + i, words=35))
+    assert metric(scrape(target), "kvreuse_evicted_blocks_total") > evicted
+    where, out = routed(router, replicas, prompt + " and then the harbor")
+    assert where == 1 - evicting
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
