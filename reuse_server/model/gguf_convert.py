@@ -24,6 +24,7 @@ import xxhash
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .cache_dir import default_cache_dir
 from .errors import ModelLoadError
 from .gguf_quant import load_tensor
 from .quant_weights import WEIGHT_DTYPES, kind_for, metadata_entry, to_tensors
@@ -54,11 +55,6 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("KV_REUSE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kv-reuse-server"
 
 
 def _file_digest(path: Path, extra: bytes = b"") -> str:
