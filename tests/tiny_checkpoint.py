@@ -61,8 +61,11 @@ def tiny_hf_config(
     rope_scaling: dict | None = None,
     sliding_window: int | None = None,
     max_position_embeddings: int = 4096,
+    layer_types: list[str] | None = None,
 ):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """arch: llama, qwen2, qwen3, mistral, or gemma3 (Gemma 3's text model: with `sliding_window`, its
+    layer_types sliding but every sixth, unless given; the sliding layers' RoPE base 10,000)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -85,6 +88,16 @@ def tiny_hf_config(
         return Qwen2Config(**common, rope_parameters=rope)
     if arch == "mistral":
         return MistralConfig(**common, rope_parameters=rope, sliding_window=sliding_window)
+    if arch == "qwen3":  # its head_dim defaults to 128, not hidden / heads
+        return Qwen3Config(**common, rope_parameters=rope, head_dim=hidden_size // num_heads,
+                           sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
+                           max_window_layers=num_layers // 2, layer_types=layer_types)
+    if arch == "gemma3":
+        # query_pre_attn_scalar differs from head_dim, so a forward scaling by head_dim^-0.5 fails the tests
+        return Gemma3TextConfig(**common, head_dim=hidden_size // num_heads, query_pre_attn_scalar=24,
+                                sliding_window=sliding_window or 4096, layer_types=layer_types,
+                                rope_parameters={"full_attention": rope,
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(f"unknown arch {arch!r}")
 
 

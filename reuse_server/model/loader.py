@@ -129,7 +129,7 @@ def load_model(
                     if name in expected and weight_dtype != "fp32" and name in matrices:
                         quantized[name] = quantize(f.get_tensor(key), kind_for(name, weight_dtype))
                     elif name in expected:
-                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                        state[name] = _as_loaded(name, f.get_tensor(key), config).to(device=device, dtype=dtype)
                     elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (key == "lm_head.weight" and model.lm_head is None)):
                         unexpected.append(key)
         except (ModelLoadError, ValueError):
@@ -150,9 +150,17 @@ def load_model(
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ModelLoadError(f"model folder {path}: weights do not fit config.json: {e}") from e
-    model.rotary.reset(config, device)
+    model.reset_rotary(device)
     model.eval().requires_grad_(False)
     return model, config
+
+
+def _as_loaded(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Gemma's checkpoints store each RMSNorm weight w and the norm multiplies by (1 + w), computed in fp32 (as
+    transformers' Gemma3RMSNorm does): the offset is added here once, so the forward's RMSNorm is Llama's."""
+    if config.norm_weight_offset and name.endswith("norm.weight"):
+        return config.norm_weight_offset + tensor.float()
+    return tensor
 
 
 def _hold_quantized(model: LlamaModel, name: str, weight: QuantizedWeight, dtype: torch.dtype) -> None:

@@ -134,9 +134,15 @@ def test_the_engine_config_keeps_its_window_rules():
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 6}).sliding_window == 6
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6}).sliding_window is None
-    with pytest.raises(ModelLoadError, match="mixing"):
-        ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6, "use_sliding_window": True,
-                             "max_window_layers": 1})
+    mixed = ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6, "use_sliding_window": True,
+                                 "max_window_layers": 1})  # full attention in layer 0, a window in layer 1
+    assert (mixed.layer_windows, mixed.sliding_window) == ((None, 6), 6)
+    gemma = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 4})
+    assert gemma.layer_windows == (4, 4, 4, 4, 4, None) * 2  # layer i global when (i + 1) % 6 == 0
+    assert [gemma.layer_rope_theta(i) for i in (0, 5)] == [10_000.0, 1_000_000.0]
+    with pytest.raises(ModelLoadError, match="chunked attention"):  # kv-calc sizes it; the engine does not run it
+        ModelConfig.from_hf({**base, "model_type": "llama", "attention_chunk_size": 8,
+                             "layer_types": ["full_attention", "chunked_attention"]})
 
 
 @pytest.mark.parametrize("dtype, block_size, per_token", [
