@@ -50,6 +50,11 @@ def is_bundled(name_or_path: str | None) -> bool:
     return bundled_model(name_or_path) is not None
 
 
+def bundled_names() -> str:
+    """What --model accepts for the bundled models, for messages."""
+    return ", ".join(f"'{name}'" for m in BUNDLED_MODELS for name in sorted(m.names))
+
+
 def installed(model: BundledModel) -> bool:
     return importlib.util.find_spec(model.package) is not None
 

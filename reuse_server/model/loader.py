@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .bundled import bundled_gguf_path, is_bundled
+from .bundled import bundled_gguf_path, bundled_names, is_bundled
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_convert import ensure_converted
@@ -23,22 +23,22 @@ _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
 def model_source(name_or_path: str | None) -> Path:
     """The file or folder a model name stands for: the bundled GGUF, a .gguf file, or an HF folder."""
     if is_bundled(name_or_path):
-        return bundled_gguf_path()
+        return bundled_gguf_path(name_or_path)
     return Path(name_or_path).expanduser()
 
 
 def resolve_model(name_or_path: str | None, weight_dtype: str = "fp32") -> Path:
     """A Hugging Face folder (config.json + safetensors + tokenizer) for the given model:
-    None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct" -> the bundled GGUF, converted once and cached;
+    None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct", "gemma3-270m" -> a bundled GGUF, converted once and cached;
     a .gguf file -> converted once and cached; a folder with config.json -> itself. A GGUF is converted into
     a folder of its own per weight dtype (quant_weights.WEIGHT_DTYPES); an HF folder is quantized at load."""
     if is_bundled(name_or_path):
-        return ensure_converted(bundled_gguf_path(), weight_dtype=weight_dtype)
+        return ensure_converted(bundled_gguf_path(name_or_path), weight_dtype=weight_dtype)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {name_or_path!r}: no such file or folder {path} (expected 'bundled', a .gguf file, "
-            f"or a Hugging Face folder with config.json)"
+            f"model {name_or_path!r}: no such file or folder {path} (expected a bundled model ({bundled_names()}), "
+            f"a .gguf file, or a Hugging Face folder with config.json)"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
