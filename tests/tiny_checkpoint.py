@@ -101,16 +101,31 @@ def tiny_hf_config(
     raise ValueError(f"unknown arch {arch!r}")
 
 
+def tiny_gemma3_multimodal_config(vocab_size: int = 320, **shape):
+    """Gemma 3's multimodal layout (4B and up): the text model of tiny_hf_config("gemma3") under text_config,
+    beside a one-layer SigLIP vision tower that the engine does not run."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = tiny_hf_config("gemma3", vocab_size=vocab_size, **shape)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=3,
+                        boi_token_index=4, eoi_token_index=5, eos_token_id=[2])
+
+
 def write_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **shape) -> Path:
     """Write a random fp32 checkpoint plus the tiny tokenizer into `path`; return it. `shape` takes
     tiny_hf_config's keyword arguments (num_layers, hidden_size, rope_scaling, ...).
-    Same arguments and seed -> same weights."""
+    Same arguments and seed -> same weights. arch "gemma3-multimodal": tiny_gemma3_multimodal_config."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_hf_config(arch, vocab_size=len(tokenizer), **shape)
+    if arch == "gemma3-multimodal":
+        config = tiny_gemma3_multimodal_config(vocab_size=len(tokenizer), **shape)
+    else:
+        config = tiny_hf_config(arch, vocab_size=len(tokenizer), **shape)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(path)

@@ -18,6 +18,12 @@ from .quant_linear import QuantizedEmbedding, QuantizedLinear
 from .quant_weights import WEIGHT_DTYPES, QuantizedWeight, from_tensors, kind_for, quantize, read_layouts
 
 _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
+# Gemma 3's multimodal checkpoints (4B and up): the language model's tensors under a prefix (the hub's layout,
+# which transformers 5 still writes, or transformers 5's own), beside a vision tower this engine does not run
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# config.json files that leave most fields to transformers' defaults (Gemma 3 4B's text_config names five)
+_CONFIGS_WITH_DEFAULTS = {"gemma3", "gemma3_text"}
 
 
 def model_source(name_or_path: str | None) -> Path:
@@ -67,12 +73,43 @@ def read_config(path: Path) -> ModelConfig:
             ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
             extra = extra if isinstance(extra, (list, tuple)) else [extra]
             hf = {**hf, "eos_token_id": ids + [i for i in extra if i not in ids]}
+    if hf.get("model_type") in _CONFIGS_WITH_DEFAULTS:
+        hf = _with_defaults(path, hf)
     try:
         return ModelConfig.from_hf(hf)
     except KeyError as e:
         raise ModelLoadError(f"{config_file} lacks the field {e.args[0]!r}") from e
     except ModelLoadError as e:
         raise ModelLoadError(f"{config_file}: {e}") from e
+
+
+def _with_defaults(path: Path, hf: dict) -> dict:
+    """The config as transformers' own config class completes it; for a multimodal Gemma 3, its text_config,
+    with the end-of-turn tokens the top level (or generation_config.json) lists."""
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(str(path)).get_text_config().to_dict()
+    except Exception as e:
+        raise ModelLoadError(f"{path}/config.json: transformers cannot read it: {e}") from e
+    eos = [hf.get("eos_token_id"), text.get("eos_token_id")]
+    ids = [i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e]) if i is not None]
+    return {**text, "model_type": "gemma3_text", "eos_token_id": list(dict.fromkeys(ids))}
+
+
+def _parameter_name(key: str, multimodal: bool) -> str | None:
+    """Our parameter name for a checkpoint key (None: a tensor of the vision tower, skipped)."""
+    if multimodal:
+        if key.startswith(_VISION_PREFIXES):
+            return None
+        for prefix in _LANGUAGE_MODEL_PREFIXES:
+            if key.startswith(prefix):
+                return key[len(prefix):]
+    return key.removeprefix("model.")
+
+
+def _is_multimodal(path: Path) -> bool:
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "gemma3"
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -104,6 +141,7 @@ def load_model(
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     path = Path(path)
     config = read_config(path)
+    multimodal = _is_multimodal(path)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = set(model.state_dict().keys())
@@ -117,20 +155,22 @@ def load_model(
                 layouts = read_layouts(f.metadata())
                 parts = {key: f.get_tensor(key) for key in f.keys() if key.rsplit(".", 1)[0] in layouts}
                 for key, layout in layouts.items():
-                    name = key.removeprefix("model.")
+                    name = _parameter_name(key, multimodal)
+                    if name is None:
+                        continue
                     if name in expected:
                         quantized[name] = from_tensors(key, layout, parts)
-                    elif not (key == "lm_head.weight" and model.lm_head is None):
+                    elif not (name == "lm_head.weight" and model.lm_head is None):
                         unexpected.append(key)
                 for key in f.keys():
-                    name = key.removeprefix("model.")
-                    if key in parts:
+                    name = _parameter_name(key, multimodal)
+                    if key in parts or name is None:
                         continue
                     if name in expected and weight_dtype != "fp32" and name in matrices:
                         quantized[name] = quantize(f.get_tensor(key), kind_for(name, weight_dtype))
                     elif name in expected:
                         state[name] = _as_loaded(name, f.get_tensor(key), config).to(device=device, dtype=dtype)
-                    elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (key == "lm_head.weight" and model.lm_head is None)):
+                    elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (name == "lm_head.weight" and model.lm_head is None)):
                         unexpected.append(key)
         except (ModelLoadError, ValueError):
             raise

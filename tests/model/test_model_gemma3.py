@@ -144,13 +144,16 @@ def test_logits_match_transformers(gemma, reference, prompts, attention, length,
 
 def test_greedy_continuation_is_sensible(gemma):
     _, model, config, tokenizer = gemma
-    ids = tokenizer("The capital of France is").input_ids
-    runner = Runner(model, config)
-    logits, out = runner.step(ids, 0), []
-    for _ in range(4):
-        out.append(int(logits[-1].argmax()))
-        logits = runner.step(out[-1:], len(ids) + len(out) - 1)
-    assert "Paris" in tokenizer.decode(out)
+    """A base model: it continues text (it answers "The capital of France is" with "the capital of the")."""
+    for prompt, expected in [("Question: What is the capital of France?\nAnswer:", "Paris"),
+                             ("One, two, three, four, five,", "six, seven")]:
+        ids = tokenizer(prompt).input_ids
+        runner = Runner(model, config)
+        logits, out = runner.step(ids, 0), []
+        for _ in range(4):
+            out.append(int(logits[-1].argmax()))
+            logits = runner.step(out[-1:], len(ids) + len(out) - 1)
+        assert expected in tokenizer.decode(out)
 
 
 def test_engine_greedy_decode_is_transformers_greedy(reference, prompts):

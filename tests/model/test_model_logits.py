@@ -98,6 +98,12 @@ def checkpoints(tmp_path_factory, tiny_llama_path, tiny_qwen2_path):
             rope_theta=1_000_000.0, tie_word_embeddings=True,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
+        # the same text model in Gemma 3 4B's layout: under text_config and language_model., beside a vision tower
+        "gemma3-multimodal": write_tiny_checkpoint(
+            root / "gemma3-mm", arch="gemma3-multimodal", seed=7, num_layers=3, num_kv_heads=1, sliding_window=6,
+            rope_theta=1_000_000.0, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
     }
 
 
@@ -218,6 +224,20 @@ def test_non_contiguous_positions_layer_by_layer(checkpoints, name, attention):
         hidden = ours(torch.tensor([seq.token_ids[p] for p in subset]), positions, meta, pool)
         logits = ours.compute_logits(hidden)
     assert rel_err(logits, reference_logits(ref, seq.token_ids)[subset]) <= REL_TOL
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_multimodal_gemma3_folder_runs_its_language_model(checkpoints, attention):
+    """A Gemma 3 4B-style folder: the text model's config completed by transformers from text_config, its
+    tensors found under language_model., the vision tower's skipped; text logits are transformers'."""
+    ours, config, ref = models(checkpoints, "gemma3-multimodal", attention=attention)
+    assert type(ref).__name__ == "Gemma3ForConditionalGeneration"
+    assert config.architecture == "gemma3_text" and config.layer_windows == (6, None, 6)
+    pool = new_pool(config)
+    (seq,) = make_sequences([29], pool, config.vocab_size, seed=22)
+    run_step(ours, pool, [(seq, list(range(20)), 20)])
+    logits = run_step(ours, pool, [(seq, list(range(20, 29)), 29)])
+    assert rel_err(logits, reference_logits(ref, seq.token_ids)[20:]) <= REL_TOL
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
