@@ -74,8 +74,10 @@ def test_unsupported_architecture(tiny_llama_path, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "gpt2"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'") as refused:
         load_model(folder)
+    supported = "['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3']"
+    assert f"this engine runs {supported}" in str(refused.value)  # the message names what does run
 
 
 def test_sharded_checkpoint_with_index(tiny_llama_path, tmp_path):
