@@ -140,6 +140,9 @@ class MLP(nn.Module):
         return 2
 
     def forward(self, x):
+        if self.gate_up_proj is not None and self.gelu:  # stacked (quant_linear packs int weights so)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.gate_up_proj is not None:  # a native product: its output is what silu_mul takes
             return self.down_proj(self.backend.ops.silu_mul(self.gate_up_proj(x)))
         gate = self.gate_proj(x)
