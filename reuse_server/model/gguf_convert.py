@@ -7,7 +7,10 @@ tokenizer files with the chat template from the GGUF metadata. Later starts load
 transformers parses the GGUF metadata into a config and a tokenizer; the weights are dequantized here with
 the `gguf` package (transformers' own GGUF weight loading needs `accelerate` and, in 5.x, keeps weights
 packed). llama.cpp permutes the Q/K rows of "llama"-architecture models for its RoPE layout; that is
-undone here exactly as transformers does it."""
+undone here exactly as transformers does it. llama.cpp stores Gemma's RMSNorm weights as 1 + w; the folder
+holds w, as a Hugging Face Gemma checkpoint does (transformers' GGUF loader subtracts the 1 the same way), and
+the loader adds the 1 back for every Gemma checkpoint alike. A GGUF without a chat template gets its family's
+(chat_templates.py) and that template's end-of-turn token as an end of generation."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import xxhash
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .cache_dir import default_cache_dir
+from .chat_templates import FALLBACKS
 from .errors import ModelLoadError
 from .gguf_quant import load_tensor
 from .quant_weights import WEIGHT_DTYPES, kind_for, metadata_entry, to_tensors
@@ -32,7 +37,8 @@ log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = "2"  # bump when the folder layout changes, so old caches are not reused
 _PERMUTED_ARCHITECTURES = {"llama"}  # GGUF archs whose Q/K rows llama.cpp's converter permuted
-_SUPPORTED_GGUF_ARCHITECTURES = {"llama", "qwen2"}
+_SUPPORTED_GGUF_ARCHITECTURES = {"llama", "qwen2", "gemma3"}
+_NORMS_STORED_AS_ONE_PLUS_W = {"gemma3"}  # llama.cpp's converter adds 1 to Gemma's norm weights
 # GGUF pre-tokenizer names that llama.cpp runs as "split every digit off, then the GPT-2 regex" (the original
 # tokenizers' Digits(individual_digits=True) + ByteLevel). transformers' GGUF converter drops that first
 # step, and text then re-tokenizes differently from what the model generated (e.g. "\n\n" before a digit).
@@ -48,17 +54,22 @@ _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("KV_REUSE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kv-reuse-server"
+# Gemma normalizes the attention's output and the MLP's input and output apart (transformers' names)
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA_BLOCK_NAMES}
 
 
 def _file_digest(path: Path, extra: bytes = b"") -> str:
@@ -139,7 +150,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", con
         num_heads, num_kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
         tied = bool(hf.get("tie_word_embeddings", False))
     else:
-        config, tokenizer = _config_and_tokenizer(gguf_path, reader)
+        config, tokenizer = _config_and_tokenizer(gguf_path, reader, arch)
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         tied = config.tie_word_embeddings
     tensors: dict[str, torch.Tensor] = {}
@@ -153,7 +164,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", con
                 f"{gguf_path}: GGUFs with rope_freqs (llama3 rope scaling) are not supported; "
                 f"use the Hugging Face folder of this model instead"
             )
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, _BLOCK_NAMES_BY_ARCHITECTURE.get(arch, _BLOCK_NAMES))
         if hf_name is None:
             log.warning("%s: ignoring GGUF tensor %s", gguf_path, tensor.name)
             continue
@@ -168,6 +179,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", con
             tensors.update(parts)
             continue
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if arch in _NORMS_STORED_AS_ONE_PLUS_W and hf_name.endswith("norm.weight"):
+            weights = weights - np.float32(1.0)
         if permuted:
             weights = _reverse_llama_cpp_permutation(weights, heads)
         tensors[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32, order="C"))  # owns its memory
@@ -187,7 +200,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", con
     )
 
 
-def _config_and_tokenizer(gguf_path: Path, reader):
+def _config_and_tokenizer(gguf_path: Path, reader, arch: str):
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -198,9 +211,21 @@ def _config_and_tokenizer(gguf_path: Path, reader):
         raise ModelLoadError(f"{gguf_path}: transformers could not read its config/tokenizer: {e}") from e
     if "tokenizer.ggml.pre" in reader.fields and reader.fields["tokenizer.ggml.pre"].contents() in _DIGIT_SPLIT_PRETOKENIZERS:
         _split_digits_first(tokenizer)
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and arch in FALLBACKS:
+        template, end_of_turn = FALLBACKS[arch]
+        log.warning("%s has no tokenizer.chat_template; chat requests use %s's turn format", gguf_path, arch)
+        tokenizer.chat_template = template
+        _add_eos(config, tokenizer.convert_tokens_to_ids(end_of_turn))
+    elif not tokenizer.chat_template:
         log.warning("%s has no tokenizer.chat_template; chat requests will need one", gguf_path)
     return config, tokenizer
+
+
+def _add_eos(config, token_id: int) -> None:
+    eos = config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    if token_id not in ids:
+        config.eos_token_id = ids + [token_id]
 
 
 def _split_digits_first(tokenizer) -> None:
@@ -212,13 +237,13 @@ def _split_digits_first(tokenizer) -> None:
     ])
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight | bias
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
     return None
 
 

@@ -1,10 +1,10 @@
 """GGUF tensors into the int4/int8 layout of quant_weights, without a detour through fp32.
 
-Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K are a code per weight and an affine map per block (or
-sub-block) of inputs: their codes and scales are read out of the blocks as they are, and s * q + m gives back
-exactly what `gguf.quants.dequantize` gives. A source with more bits than the target (Q8_0, Q5_K, Q6_K into
-int4) and every other type (F32, F16, BF16, Q5_0/Q5_1, Q2_K, Q3_K, the IQ types) is dequantized by gguf and
-quantized to the target with gguf's quantizers (quant_weights.quantize)."""
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K are a code per weight and an affine map per
+block (or sub-block) of inputs: their codes and scales are read out of the blocks as they are, and s * q + m
+gives back exactly what `gguf.quants.dequantize` gives. A source with more bits than the target (Q5_*, Q8_0,
+Q5_K, Q6_K into int4) and every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) is dequantized by gguf
+and quantized to the target with gguf's quantizers (quant_weights.quantize)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from .quant_weights import QuantizedWeight, narrowest_scales, quantize
 
 # Code width of each type read as it is, and the narrowest of our kinds that holds its codes.
-_SOURCE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
+_SOURCE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 
 
 def source_bits(qtype) -> int | None:
@@ -42,7 +42,7 @@ def load_tensor(data: np.ndarray, qtype, shape: tuple[int, int], kind: str) -> Q
 
 
 def from_gguf_blocks(data: np.ndarray, qtype, shape: tuple[int, int], kind: str) -> QuantizedWeight:
-    """Codes and scales read out of the blocks of a Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensor [N, K]."""
+    """Codes and scales read out of the blocks of a tensor [N, K] of one of the types in _SOURCE_BITS."""
     import gguf
 
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -71,6 +71,20 @@ def _q4_0(blocks, _):
 
 def _q4_1(blocks, _):
     return _nibbles(blocks[:, 4:]), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), 32
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """[blocks, 4] bytes, little-endian bit i the fifth bit of element i -> [blocks, 32] of 0 or 16."""
+    return (np.unpackbits(qh, axis=-1, bitorder="little").astype(np.int16) << 4)
+
+
+def _q5_0(blocks, _):
+    d = _f16(blocks[:, :2])
+    return (_nibbles(blocks[:, 6:]) | _high_bits(blocks[:, 2:6])) - 16, d, None, 32  # d * (q - 16)
+
+
+def _q5_1(blocks, _):
+    return _nibbles(blocks[:, 8:]) | _high_bits(blocks[:, 4:8]), _f16(blocks[:, :2]), _f16(blocks[:, 2:4]), 32
 
 
 def _q8_0(blocks, _):
@@ -109,4 +123,4 @@ def _q6_k(blocks, _):
     return q.reshape(-1, 256).astype(np.int16) - 32, d * sc, None, 16
 
 
-_READERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_READERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}

@@ -13,12 +13,11 @@ from typing import Any
 
 from reuse_server.kv.layout import KVGeometry, LayerKV
 
-from .bundled import bundled_gguf_path, is_bundled
+from .bundled import bundled_gguf_path, bundled_model, bundled_names
 from .config import layer_windows
 from .errors import ModelLoadError
 from .gguf_metadata import read_gguf_metadata
 
-BUNDLED_DISPLAY_NAME = "SmolLM2-135M-Instruct"
 # GGUF architecture names whose Hugging Face model_type differs (the layer patterns are keyed by model_type)
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2", "gemma3": "gemma3_text"}
 
@@ -35,11 +34,13 @@ class ModelKV:
 
 def read_model_kv(model: str | None) -> ModelKV:
     """None or the bundled name, a .gguf file, a config.json file, or a folder holding config.json."""
-    if is_bundled(model):
-        return model_kv_from_gguf(bundled_gguf_path(), name=BUNDLED_DISPLAY_NAME)
+    bundled = bundled_model(model)
+    if bundled is not None:
+        return model_kv_from_gguf(bundled_gguf_path(model), name=bundled.display_name)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model {model!r}: no such file or folder {path} (expected 'bundled', a .gguf file, "
+        raise ModelLoadError(f"model {model!r}: no such file or folder {path} (expected a bundled model "
+                             f"({bundled_names()}), a .gguf file, "
                              f"a config.json file, or a Hugging Face folder with config.json)")
     if path.is_dir():
         if not (path / "config.json").is_file():

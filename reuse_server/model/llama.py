@@ -1,7 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2) over the paged KV pool.
+"""A Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3) over the paged KV pool.
 
-Parameter names follow transformers' checkpoints with the leading "model." removed, so a safetensors
-state dict loads by name."""
+The families differ in switches of ModelConfig, read here: q/k norms (Qwen3, Gemma 3), norms after attention
+and the MLP (Gemma), GeGLU, scaled embeddings and attention, and per layer a window and a RoPE base (Gemma 3's
+sliding layers). Parameter names follow transformers' checkpoints with the leading "model." removed, so a
+safetensors state dict loads by name."""
 
 from __future__ import annotations
 
@@ -37,20 +39,25 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None):
+    def __init__(self, config: ModelConfig, backend: CpuBackend | None = None, layer_idx: int = 0):
         super().__init__()
         self.backend = backend or CpuBackend()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer_idx)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
         self.qkv_proj = None  # q/k/v in one packed product once pack_qkv_for_cpu ran (q_proj... are then None)
+        if config.qk_norm:  # over each head's head_dim, before RoPE
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, self.backend)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, self.backend)
+        else:
+            self.q_norm = self.k_norm = None
 
     def pack_qkv_for_cpu(self, kind: str = "native") -> int:
         """Replace q_proj, k_proj and v_proj by one packed product of their stacked weights: one call instead
@@ -74,7 +81,11 @@ class Attention(nn.Module):
             qk, v = self.qkv_proj(hidden).split([(self.num_heads + self.num_kv_heads) * hd, self.num_kv_heads * hd], -1)
         else:
             qk, v = torch.cat([self.q_proj(hidden), self.k_proj(hidden)], -1), self.v_proj(hidden)
-        return qk.view(t, self.num_heads + self.num_kv_heads, hd), v.view(t, self.num_kv_heads, hd)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = qk[:, :self.num_heads].reshape(-1, hd), qk[:, self.num_heads:].reshape(-1, hd)
+            qk = torch.cat([self.q_norm(q).view(t, -1, hd), self.k_norm(k).view(t, -1, hd)], 1)
+        return qk, v.view(t, self.num_kv_heads, hd)
 
     def forward(self, hidden, positions, meta: AttentionMetadata, pool, layer_idx: int, rotary: RotaryEmbedding,
                 select: "RowSelection | None" = None):
@@ -101,8 +112,8 @@ class Attention(nn.Module):
 
 
 def _rotate(x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
-    """RoPE at `positions`, with cos/sin computed once per forward pass and shared by every layer."""
-    cos, sin = meta.cached(positions, ("rope", x.dtype), lambda: rotary.cos_sin(positions, x.dtype))
+    """RoPE at `positions`, with cos/sin computed once per forward pass and shared by every layer of that base."""
+    cos, sin = meta.cached(positions, ("rope", x.dtype, rotary.theta), lambda: rotary.cos_sin(positions, x.dtype))
     return apply_rotary(x, cos, sin)
 
 
@@ -114,13 +125,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj = None  # gate and up as one native product once packed (gate/up_proj then None)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SiLU gating
 
     def pack_gate_up(self) -> int:
         """Gate and up projections as one native product of their stacked weights, gated by one native pass
         (the native kernel's panels make the stacked product cost what the two did; oneDNN's stacked product ran
         a cold prefill's rows slower, so it keeps two). Returns how many linear layers it replaced."""
-        if not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
-            return 0
+        if self.gelu or not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
+            return 0  # the native gating is SiLU's
         if self.backend.ops is None or packer(self.gate_proj.weight, "native") is not NativeLinear:
             return 0
         self.gate_up_proj = NativeLinear.stacked([self.gate_proj, self.up_proj])
@@ -128,9 +140,14 @@ class MLP(nn.Module):
         return 2
 
     def forward(self, x):
+        if self.gate_up_proj is not None and self.gelu:  # stacked (quant_linear packs int weights so)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.gate_up_proj is not None:  # a native product: its output is what silu_mul takes
             return self.down_proj(self.backend.ops.silu_mul(self.gate_up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -139,10 +156,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         backend = backend or CpuBackend()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, layer_idx)
         self.mlp = MLP(config, backend)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend)  # noqa: E731
+        self.input_layernorm = norm()
+        # Llama: the MLP's input norm. Gemma: the attention output's norm, and two more around the MLP.
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         # Shared, not owned: a plain attribute keeps it out of this layer's state dict.
         self.__dict__["rotary"] = rotary
 
@@ -156,6 +179,10 @@ class DecoderLayer(nn.Module):
                                                          self.rotary, select)
         if rows is not None:
             hidden = hidden[rows]
+        if self.sandwich:
+            hidden = hidden + self.post_attention_layernorm(attended)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden))), \
+                positions, meta
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), positions, meta
 
@@ -189,16 +216,30 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config)  # the full-attention layers' (every layer's, but on Gemma 3)
+        # Gemma 3's sliding layers rotate with a base of their own: one more RotaryEmbedding, shared by them
+        self.local_rotary = (RotaryEmbedding(config, theta=config.local_rope_theta)
+                             if config.local_rope_theta is not None else None)
         self.backend = CpuBackend()  # shared by every module; written here only (pack_for_cpu, use_cpu_attention_kernel)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, self.backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.layer_rotary(i), self.backend)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.backend)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.__dict__["packed_head"] = None  # see pack_for_cpu
+
+    def layer_rotary(self, layer: int) -> RotaryEmbedding:
+        """The RoPE a layer's K is stored with (blending must re-rotate each layer's K with its own)."""
+        uses_local = self.local_rotary is not None and self.config.layer_window(layer) is not None
+        return self.local_rotary if uses_local else self.rotary
+
+    def reset_rotary(self, device: torch.device | str) -> None:
+        """Recompute every inv_freq on `device` (after the model was built on the meta device)."""
+        self.rotary.reset(device)
+        if self.local_rotary is not None:
+            self.local_rotary.reset(device)
 
     def pack_for_cpu(self, kind: str = "native") -> int:
         """Run the linear layers and the output head on weights packed once (see cpu_linear: the native kernel
@@ -239,7 +280,10 @@ class LlamaModel(nn.Module):
         return self.backend.attention is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # rounded to the model's dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier).to(hidden.dtype)
+        return hidden
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .bundled import bundled_gguf_path, is_bundled
+from .bundled import bundled_gguf_path, bundled_names, is_bundled
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_convert import ensure_converted
@@ -18,27 +18,33 @@ from .quant_linear import QuantizedEmbedding, QuantizedLinear
 from .quant_weights import WEIGHT_DTYPES, QuantizedWeight, from_tensors, kind_for, quantize, read_layouts
 
 _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
+# Gemma 3's multimodal checkpoints (4B and up): the language model's tensors under a prefix (the hub's layout,
+# which transformers 5 still writes, or transformers 5's own), beside a vision tower this engine does not run
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# config.json files that leave most fields to transformers' defaults (Gemma 3 4B's text_config names five)
+_CONFIGS_WITH_DEFAULTS = {"gemma3", "gemma3_text"}
 
 
 def model_source(name_or_path: str | None) -> Path:
     """The file or folder a model name stands for: the bundled GGUF, a .gguf file, or an HF folder."""
     if is_bundled(name_or_path):
-        return bundled_gguf_path()
+        return bundled_gguf_path(name_or_path)
     return Path(name_or_path).expanduser()
 
 
 def resolve_model(name_or_path: str | None, weight_dtype: str = "fp32") -> Path:
     """A Hugging Face folder (config.json + safetensors + tokenizer) for the given model:
-    None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct" -> the bundled GGUF, converted once and cached;
+    None/"bundled"/"smollm2"/"SmolLM2-135M-Instruct", "gemma3-270m" -> a bundled GGUF, converted once and cached;
     a .gguf file -> converted once and cached; a folder with config.json -> itself. A GGUF is converted into
     a folder of its own per weight dtype (quant_weights.WEIGHT_DTYPES); an HF folder is quantized at load."""
     if is_bundled(name_or_path):
-        return ensure_converted(bundled_gguf_path(), weight_dtype=weight_dtype)
+        return ensure_converted(bundled_gguf_path(name_or_path), weight_dtype=weight_dtype)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {name_or_path!r}: no such file or folder {path} (expected 'bundled', a .gguf file, "
-            f"or a Hugging Face folder with config.json)"
+            f"model {name_or_path!r}: no such file or folder {path} (expected a bundled model ({bundled_names()}), "
+            f"a .gguf file, or a Hugging Face folder with config.json)"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -67,12 +73,43 @@ def read_config(path: Path) -> ModelConfig:
             ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
             extra = extra if isinstance(extra, (list, tuple)) else [extra]
             hf = {**hf, "eos_token_id": ids + [i for i in extra if i not in ids]}
+    if hf.get("model_type") in _CONFIGS_WITH_DEFAULTS:
+        hf = _with_defaults(path, hf)
     try:
         return ModelConfig.from_hf(hf)
     except KeyError as e:
         raise ModelLoadError(f"{config_file} lacks the field {e.args[0]!r}") from e
     except ModelLoadError as e:
         raise ModelLoadError(f"{config_file}: {e}") from e
+
+
+def _with_defaults(path: Path, hf: dict) -> dict:
+    """The config as transformers' own config class completes it; for a multimodal Gemma 3, its text_config,
+    with the end-of-turn tokens the top level (or generation_config.json) lists."""
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(str(path)).get_text_config().to_dict()
+    except Exception as e:
+        raise ModelLoadError(f"{path}/config.json: transformers cannot read it: {e}") from e
+    eos = [hf.get("eos_token_id"), text.get("eos_token_id")]
+    ids = [i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e]) if i is not None]
+    return {**text, "model_type": "gemma3_text", "eos_token_id": list(dict.fromkeys(ids))}
+
+
+def _parameter_name(key: str, multimodal: bool) -> str | None:
+    """Our parameter name for a checkpoint key (None: a tensor of the vision tower, skipped)."""
+    if multimodal:
+        if key.startswith(_VISION_PREFIXES):
+            return None
+        for prefix in _LANGUAGE_MODEL_PREFIXES:
+            if key.startswith(prefix):
+                return key[len(prefix):]
+    return key.removeprefix("model.")
+
+
+def _is_multimodal(path: Path) -> bool:
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "gemma3"
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -104,6 +141,7 @@ def load_model(
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose one of {', '.join(WEIGHT_DTYPES)}")
     path = Path(path)
     config = read_config(path)
+    multimodal = _is_multimodal(path)
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = set(model.state_dict().keys())
@@ -117,20 +155,22 @@ def load_model(
                 layouts = read_layouts(f.metadata())
                 parts = {key: f.get_tensor(key) for key in f.keys() if key.rsplit(".", 1)[0] in layouts}
                 for key, layout in layouts.items():
-                    name = key.removeprefix("model.")
+                    name = _parameter_name(key, multimodal)
+                    if name is None:
+                        continue
                     if name in expected:
                         quantized[name] = from_tensors(key, layout, parts)
-                    elif not (key == "lm_head.weight" and model.lm_head is None):
+                    elif not (name == "lm_head.weight" and model.lm_head is None):
                         unexpected.append(key)
                 for key in f.keys():
-                    name = key.removeprefix("model.")
-                    if key in parts:
+                    name = _parameter_name(key, multimodal)
+                    if key in parts or name is None:
                         continue
                     if name in expected and weight_dtype != "fp32" and name in matrices:
                         quantized[name] = quantize(f.get_tensor(key), kind_for(name, weight_dtype))
                     elif name in expected:
-                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
-                    elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (key == "lm_head.weight" and model.lm_head is None)):
+                        state[name] = _as_loaded(name, f.get_tensor(key), config).to(device=device, dtype=dtype)
+                    elif not (key.endswith(_IGNORED_CHECKPOINT_KEYS) or (name == "lm_head.weight" and model.lm_head is None)):
                         unexpected.append(key)
         except (ModelLoadError, ValueError):
             raise
@@ -150,9 +190,17 @@ def load_model(
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise ModelLoadError(f"model folder {path}: weights do not fit config.json: {e}") from e
-    model.rotary.reset(config, device)
+    model.reset_rotary(device)
     model.eval().requires_grad_(False)
     return model, config
+
+
+def _as_loaded(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Gemma's checkpoints store each RMSNorm weight w and the norm multiplies by (1 + w), computed in fp32 (as
+    transformers' Gemma3RMSNorm does): the offset is added here once, so the forward's RMSNorm is Llama's."""
+    if config.norm_weight_offset and name.endswith("norm.weight"):
+        return config.norm_weight_offset + tensor.float()
+    return tensor
 
 
 def _hold_quantized(model: LlamaModel, name: str, weight: QuantizedWeight, dtype: torch.dtype) -> None:

@@ -13,11 +13,13 @@ from torch import nn
 from .config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """fp32 [head_dim // 2], computed as transformers computes it (bit-for-bit on the CPU)."""
+def inverse_frequencies(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """fp32 [head_dim // 2], computed as transformers computes it (bit-for-bit on the CPU). With `theta`: plain
+    RoPE of that base (Gemma 3's sliding layers), else the config's base and scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    base = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling if theta is None else None
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -55,9 +57,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str | None = None):
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None, theta: float | None = None):
+        """The config's RoPE (base and scaling), or with `theta` plain RoPE of that base."""
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config).to(device), persistent=False)
+        self.config, self.local_theta = config, theta
+        self.theta = config.rope_theta if theta is None else theta  # the base: names its cos/sin in a step's cache
+        self.register_buffer("inv_freq", inverse_frequencies(config, theta).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, head_dim] for integer (or, for re-RoPE deltas, any-sign) positions [T].
@@ -69,6 +74,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_sin(positions, dtype)
 
-    def reset(self, config: ModelConfig, device: torch.device | str) -> None:
+    def reset(self, device: torch.device | str) -> None:
         """Recompute inv_freq on `device` (after the model was built on the meta device)."""
-        self.inv_freq = inverse_frequencies(config).to(device)
+        self.inv_freq = inverse_frequencies(self.config, self.local_theta).to(device)

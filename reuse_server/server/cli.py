@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_HelpFormatter,
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
     serve.add_argument("--model", default="smollm2",
-                       help="the bundled model name 'smollm2', a .gguf file, or a Hugging Face checkpoint folder")
+                       help="a bundled model ('smollm2', or 'gemma3-270m': Gemma 3 270M, under the Gemma Terms of "
+                            "Use), a .gguf file, or a Hugging Face checkpoint folder")
     serve.add_argument("--served-model-name", default=None,
                        help="model id shown in /v1/models and required in requests (default: derived from --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -313,7 +314,8 @@ def add_kv_calc_parser(commands) -> None:
         description="Size the KV cache from a model's config (no weights are loaded): bytes per token and per "
                     "block, the padding of partly filled last blocks, and what fits in a memory budget.")
     calc.add_argument("--model", default="smollm2",
-                      help="the bundled model name 'smollm2', a .gguf file, a config.json, or a Hugging Face folder")
+                      help="a bundled model ('smollm2' or 'gemma3-270m'), a .gguf file, a config.json, or a Hugging "
+                           "Face folder")
     calc.add_argument("--kv-dtype", default="auto", choices=KV_DTYPE_CHOICES,
                       help="KV element type (auto: the device's default, fp32 on cpu and bf16 on cuda; fp8_e4m3 "
                            "adds an fp32 scale per block and KV head, int8 one per token and KV head)")

