@@ -68,9 +68,9 @@ def test_every_step_is_a_request_the_report_counts_as_the_server_did(run):
     assert len(records) == 2 * REQUESTS
     assert w["prompt_tokens"] == w["baseline"]["prompt_tokens"], "temperature 0: both phases take the same steps"
     assert w["baseline"]["cached_tokens"] == 0
-    for name, field in (("kvreuse_prompt_tokens_total", "prompt_tokens"),
-                        ("kvreuse_generation_tokens_total", "completion_tokens")):
-        assert metric(after, name) - metric(before, name) == w[field] + w["baseline"][field]
+    for counter, field in (("kvreuse_prompt_tokens_total", "prompt_tokens"),
+                           ("kvreuse_generation_tokens_total", "completion_tokens")):
+        assert metric(after, counter) - metric(before, counter) == w[field] + w["baseline"][field]
     assert "## agent-sdk: reuse per step" in (out / "report.md").read_text()
 
 
