@@ -211,16 +211,17 @@ class AsyncEngine:
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
 
-    def admit(self, count: int = 1) -> None:
+    def admit(self, count: int = 1, ahead: int = 0) -> None:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n
         choices, many precomputed chunks) is admitted only into an empty one, so it is not refused forever.
-        Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile."""
+        Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile.
+        ahead: requests admitted already and not queued yet (being tokenized), counted as waiting."""
         reason = self.unavailable_reason()
         if reason is not None:
             raise self._refusal(reason)
         if self.max_waiting is None:
             return
-        waiting = self.num_waiting
+        waiting = self.num_waiting + ahead
         if waiting and waiting + count > self.max_waiting:
             raise QueueFull(waiting, self.max_waiting, count)
 
