@@ -100,7 +100,7 @@ class KVTiers:
                 tier.stats.declined += len(ask)
                 continue
             start = time.perf_counter()
-            got = tier.get([w.hash for w in ask])
+            got = tier.get([w.hash for w in ask], contiguous=contiguous)
             seconds = time.perf_counter() - start
             tier.stats.read_seconds += seconds
             self.costs.observe_read(tier.name, len(got), seconds)
@@ -113,7 +113,6 @@ class KVTiers:
                     tier.stats.corrupt += 1
                     tier.discard(w.hash)
                     continue
-                tier.stats.hits += 1
                 found[w.index] = Found(tier.name, entry)
             missing = [w for w in missing if w.index not in found]
         if contiguous:
@@ -123,6 +122,8 @@ class KVTiers:
                     break
                 run[w.index] = found[w.index]
             found = run
+        for tier in self.levels:  # hits: the blocks used (not those after a gap in a chain)
+            tier.stats.hits += sum(f.tier == tier.name for f in found.values())
         return found
 
     @staticmethod
