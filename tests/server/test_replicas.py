@@ -190,3 +190,35 @@ def test_a_stream_cut_by_a_replica_kill_ends_in_an_error_the_client_sees_and_ret
             assert time.monotonic() < deadline, workers
             time.sleep(0.2)
         assert all(workers[r.url]["is_healthy"] for r in replicas if r is not victim)
+
+
+def test_conversations_outlive_a_replica_killed_between_turns(small_llama_path, tmp_path, redis_url):
+    """Two replicas sharing Redis, round robin; six conversations of six turns, one replica SIGKILLed after the
+    third turn: no request fails afterwards (the gateway retries those sent to the dead one), and each later
+    turn on the survivor still finds the whole earlier conversation cached (Redis holds what the dead one
+    computed: a replica answers only once its blocks are written)."""
+    with replica_set(2, serve_args(small_llama_path), tmp_path, redis_url) as replicas, \
+            gateway([r.url for r in replicas], "round_robin", tmp_path) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        conversations = [[{"role": "system", "content": f"You are assistant number {c}."}] for c in range(6)]
+        previous = [None] * 6
+        prompt_after = cached_after = 0
+        for turn in range(6):
+            if turn == 3:
+                replicas[1].process.kill()
+                replicas[1].process.wait()
+            for c, messages in enumerate(conversations):
+                messages.append({"role": "user", "content": f"Conversation {c}, question {turn}: tell me about the "
+                                                            "quick brown fox and the lazy dog, at some length."})
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0.0,
+                                                   extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 8
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                if previous[c] is not None:
+                    assert cached >= previous[c] // BS * BS, (turn, c, cached, previous[c], declined(replicas[:1]))
+                if turn >= 3:
+                    prompt_after += r.usage.prompt_tokens
+                    cached_after += cached
+                previous[c] = r.usage.prompt_tokens
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        print(f"after the kill: {cached_after / prompt_after:.1%} of the prompt tokens cached on the survivor")
