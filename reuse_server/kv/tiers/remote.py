@@ -59,6 +59,7 @@ class RedisTier:
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
         self._read_leading_run = self.client.register_script(LEADING_RUN_SCRIPT)
+        self._scripts = True  # False once Redis refused the script (scripting disabled): chains read by MGET
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._refusing_writes = False  # Redis answers but refuses SETs (logged once until one succeeds)
         self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
@@ -120,7 +121,7 @@ class RedisTier:
             batch = hashes[i:i + MGET_BATCH]
             keys = [self.key(h) for h in batch]
             try:
-                values = self._read_leading_run(keys=keys) if contiguous else self.client.mget(keys)
+                values = self._read(keys, contiguous)
             except redis.RedisError as exc:
                 self._failed(exc)
                 break
@@ -150,6 +151,15 @@ class RedisTier:
                 break
         self._remember(found)
         return found
+
+    def _read(self, keys: list[bytes], contiguous: bool) -> list:
+        if contiguous and self._scripts:
+            try:
+                return self._read_leading_run(keys=keys)
+            except redis.ResponseError as exc:  # a Redis with scripting disabled: still a Redis
+                log.warning("Redis at %s refuses scripts (%s): reading chains with MGET", self.url, exc)
+                self._scripts = False
+        return self.client.mget(keys)
 
     def discard(self, block_hash: bytes) -> None:
         try:
