@@ -188,20 +188,3 @@ def test_redis_refusing_writes_at_maxmemory_drops_those_blocks_and_is_no_outage(
         for engine in (writer, reader):
             engine.close()
 
-
-def test_a_redis_that_refuses_scripts_still_serves_chains(checkpoint, cold):
-    """Scripting denied (an ACL, as some managed services do): the chain is read with MGET instead."""
-    ids = prompt(30)
-    with redis_server() as server:
-        server.client().acl_setuser("default", enabled=True, nopass=True, keys=["~*"], channels=["*"],
-                                    commands=["+@all", "-eval", "-evalsha", "-script"])
-        writer = make(checkpoint, redis_url=server.url)
-        run(writer, "write", ids)
-        settle(writer)
-        reader = make(checkpoint, redis_url=server.url)
-        got = run(reader, "read", ids)
-        assert redis_tokens(got) == full(ids)
-        same_answer(got, cold(ids))
-        assert not reader.tiers.remote._scripts and reader.tiers.remote.available
-        for engine in (writer, reader):
-            engine.close()

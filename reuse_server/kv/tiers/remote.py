@@ -13,7 +13,7 @@ a miss that costs a recompute. A block this server wrote or read is remembered a
 written again); a read that finds it gone forgets it, so the next time it is computed it is written again and
 the hit rate recovers. A write Redis refuses (out of memory under `noeviction`) drops that block only; it is
 not an outage. Where only an unbroken run of blocks is any use (the chain continuing what the device holds),
-the read stops in Redis at the first missing block (one script), so blocks whose parents were evicted are not
+the read stops at the first missing block (EXISTS before MGET), so blocks whose parents were evicted are not
 transferred for nothing."""
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ log = logging.getLogger(__name__)
 KNOWN_LIMIT = 200_000  # hashes remembered as stored, so that blocks read from Redis are not written back
 MAX_PAUSE = 30.0
 MGET_BATCH = 32
-# GET each key in turn up to the first that is missing: the values of the unbroken run from the first key.
-LEADING_RUN_SCRIPT = """
-local values = {}
-for i, key in ipairs(KEYS) do
-  local value = redis.call('GET', key)
-  if not value then break end
-  values[i] = value
-end
-return values
-"""
 
 
 class RedisTier:
@@ -58,8 +48,6 @@ class RedisTier:
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
-        self._read_leading_run = self.client.register_script(LEADING_RUN_SCRIPT)
-        self._scripts = True  # False once Redis refused the script (scripting disabled): chains read by MGET
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._refusing_writes = False  # Redis answers but refuses SETs (logged once until one succeeds)
         self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
@@ -153,12 +141,19 @@ class RedisTier:
         return found
 
     def _read(self, keys: list[bytes], contiguous: bool) -> list:
-        if contiguous and self._scripts:
-            try:
-                return self._read_leading_run(keys=keys)
-            except redis.ResponseError as exc:  # a Redis with scripting disabled: still a Redis
-                log.warning("Redis at %s refuses scripts (%s): reading chains with MGET", self.url, exc)
-                self._scripts = False
+        """The values of `keys` (None: missing); contiguous: of the unbroken run from the first key only, found
+        with EXISTS first (one pipeline; tiny replies), so that no value after a gap is transferred."""
+        if contiguous:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                held = pipe.execute()
+            keys = keys[:next((i for i, h in enumerate(held) if not h), len(keys))]
+            if not keys:
+                return []
+            values = self.client.mget(keys)
+            gone = next((i for i, v in enumerate(values) if v is None), len(values))  # evicted meanwhile
+            return values[:gone]
         return self.client.mget(keys)
 
     def discard(self, block_hash: bytes) -> None:
