@@ -59,7 +59,8 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
 
 
 @router.get("/health", response_model=HealthStatus,
-            responses={503: {"model": HealthStatus, "description": "Not serving: shutting down, engine stalled or stopped.",
+            responses={503: {"model": HealthStatus,
+                             "description": "Not serving: shutting down, engine stalled or stopped.",
                              "headers": _RETRY_AFTER}})
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
