@@ -18,7 +18,7 @@ def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSet
     settings = settings if settings is not None else ServerSettings()
     metrics = metrics if metrics is not None else ServerMetrics(engine)
     engine.metrics = metrics  # the engine reports TTFT and request ends to it
-    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads)
+    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, admit=engine.admit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reuse_server.api.auth import Unauthorized
 from reuse_server.api.protocol import ErrorDetail, ErrorResponse
-from reuse_server.engine.request_errors import EngineUnavailable, QueueFull, RequestTimedOut, ServerDraining
+from reuse_server.engine.request_errors import (EngineStalled, EngineUnavailable, QueueFull, RequestTimedOut,
+                                                ServerDraining)
 from reuse_server.engine.sampling_params import InvalidRequest
 
 logger = logging.getLogger("reuse_server.api")
@@ -24,6 +25,7 @@ logger = logging.getLogger("reuse_server.api")
 # a load balancer should come back a little later, to another replica.
 RETRY_AFTER_QUEUE_FULL = 1
 RETRY_AFTER_DRAINING = 5
+RETRY_AFTER_STALLED = 5  # a stalled engine may recover when its step returns; meanwhile, another replica
 
 
 class ModelNotFound(Exception):
@@ -104,6 +106,9 @@ def service_error(exc: BaseException) -> ServiceError | None:
     if isinstance(exc, ServerDraining):
         return ServiceError(503, f"The server is not accepting requests: {exc}.", "server_error",
                             "server_shutting_down", {"Retry-After": str(RETRY_AFTER_DRAINING)})
+    if isinstance(exc, EngineStalled):
+        return ServiceError(503, f"The server cannot serve requests: {exc}.", "server_error", "engine_stalled",
+                            {"Retry-After": str(RETRY_AFTER_STALLED)})
     if isinstance(exc, EngineUnavailable):
         return ServiceError(503, f"The server cannot serve requests: {exc}.", "server_error", "engine_unavailable",
                             {})

@@ -450,5 +450,5 @@ class CacheChunksResponse(BaseModel):
 
 
 class HealthStatus(BaseModel):
-    status: Literal["ok", "draining", "dead"]
+    status: Literal["ok", "draining", "stalled", "dead"]
     reason: str | None = Field(None, exclude_if=_drop_if_none)  # why the server is not serving

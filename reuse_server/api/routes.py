@@ -16,8 +16,8 @@ from reuse_server.api.cache_prefetch import prefetch
 from reuse_server.api.cache_stats import cache_stats
 from reuse_server.api.chat_completions import create_chat_completion
 from reuse_server.api.completions import create_completion
-from reuse_server.api.errors import (RETRY_AFTER_DRAINING, SERVICE_ERRORS, ClientDisconnected, ModelNotFound,
-                                     NotFound, internal_error)
+from reuse_server.api.errors import (RETRY_AFTER_DRAINING, RETRY_AFTER_STALLED, SERVICE_ERRORS, ClientDisconnected,
+                                     ModelNotFound, NotFound, internal_error)
 from reuse_server.api.messages import count_tokens, create_message
 from reuse_server.api.messages_protocol import (AnthropicErrorResponse, CountTokensRequest, CountTokensResponse,
                                                 MessageResponse, MessagesRequest)
@@ -47,7 +47,7 @@ _ERRORS = {
     408: _error("The request ran past --request-timeout and was aborted."),
     429: {**_error("Too many requests are waiting (--max-waiting)."), "headers": _RETRY_AFTER},
     500: _error("An internal error."),
-    503: {**_error("The server is shutting down, or its engine has stopped."), "headers": _RETRY_AFTER},
+    503: {**_error("The server is shutting down, or its engine has stalled or stopped."), "headers": _RETRY_AFTER},
 }
 # One event of the stream (OpenAPI 3.1 describes a text/event-stream by its events): its data is a JSON chunk
 # (the completion's shape, object "chat.completion.chunk" or "text_completion"), an error object, or [DONE].
@@ -69,13 +69,17 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
 
 
 @router.get("/health", response_model=HealthStatus,
-            responses={503: {"model": HealthStatus, "description": "Not serving: shutting down or engine stopped.",
+            responses={503: {"model": HealthStatus,
+                             "description": "Not serving: shutting down, engine stalled or stopped.",
                              "headers": _RETRY_AFTER}})
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
     reason = engine.unavailable_reason()
     if reason is None:
         return JSONResponse(HealthStatus(status="ok").model_dump(exclude_none=True))
+    if engine.dead_reason is None and engine.stalled_reason is not None:
+        return JSONResponse(HealthStatus(status="stalled", reason=reason).model_dump(), status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_STALLED)})
     if engine.draining and engine.dead_reason is None:
         return JSONResponse(HealthStatus(status="draining", reason=reason).model_dump(), status_code=503,
                             headers={"Retry-After": str(RETRY_AFTER_DRAINING)})

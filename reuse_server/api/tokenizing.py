@@ -8,6 +8,10 @@ With API keys, each tenant tokenizes through its own view of the tokenizer. blen
 long texts seen before) is kept per tokenizer object, so a shared one would answer a tenant's long prompt
 faster when another tenant had sent the same text: a timing side channel. Views of the most recent tenants
 are kept (their caches with them), so the memory this takes stays bounded.
+
+A request being tokenized (queued for a thread or on one) counts as waiting against --max-waiting before its
+prompt is tokenized: a flood is refused (429) on arrival, without paying for tokenizing what is refused, and
+the prompts held at once stay bounded by the queue.
 """
 from __future__ import annotations
 
@@ -35,8 +39,13 @@ class TenantTokenizer:
 
 
 class Tokenizing:
-    def __init__(self, tokenizer: Any, threads: int = DEFAULT_THREADS, tenant_views: int = TENANT_VIEWS) -> None:
+    def __init__(self, tokenizer: Any, threads: int = DEFAULT_THREADS, tenant_views: int = TENANT_VIEWS,
+                 admit: Callable[..., None] | None = None) -> None:
+        """admit(count, ahead=n): raises (QueueFull) unless `count` more requests may wait besides the queue and
+        `n` requests being tokenized (the async engine's admit); None: no bound."""
         self.tokenizer = tokenizer
+        self._admit = admit
+        self.in_progress = 0  # requests admitted and being tokenized
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self._views: OrderedDict[str, TenantTokenizer] = OrderedDict()
         self._max_views = tenant_views
@@ -52,7 +61,15 @@ class Tokenizing:
         return view
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        """fn(*args) on a tokenizing thread; refused first (QueueFull) when the queue and the requests being
+        tokenized already fill --max-waiting."""
+        if self._admit is not None:
+            self._admit(1, ahead=self.in_progress)
+        self.in_progress += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        finally:
+            self.in_progress -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,8 @@ Admission: `admit(n)` refuses work before anything is queued (no KV block touche
 the server is draining for shutdown, or more than `max_waiting` requests would wait. A step that raises
 leaves the pool's KV in an unknown state, so the engine is then declared dead (as vLLM does): every request
 fails with EngineDeadError, new ones are refused, and /health says why, rather than serving KV that may be wrong.
+A step that never returns is noticed by the watchdog (engine/watchdog.py, `step_timeout`): requests fail with
+EngineStalled and new ones are refused until a step returns.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.outputs import RequestOutput
-from reuse_server.engine.request_errors import EngineDeadError, QueueFull, RequestTimedOut, ServerDraining
+from reuse_server.engine.request_errors import (EngineDeadError, EngineStalled, QueueFull, RequestTimedOut,
+                                                ServerDraining)
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ SHARED_WRITE_WAIT_TIMEOUTS = 4  # a finished request waits for its Redis writes 
 class AsyncEngine:
     """Start it with `AsyncEngine.launch(...)`; the constructor is called on the engine thread by launch."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, step_timeout: float | None = None) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self.engine = engine
@@ -64,18 +68,22 @@ class AsyncEngine:
         self._engine_waiting_tokens = 0
         self.dead_reason: str | None = None
         self.draining = False
+        self.watchdog = None if step_timeout is None else Watchdog(
+            step_timeout, has_work=lambda: bool(self._queues or self._inbox), on_stall=self._stalled)
 
     @classmethod
-    def launch(cls, build: Callable[[], LLMEngine] | EngineConfig, *, max_waiting: int | None = None) -> "AsyncEngine":
+    def launch(cls, build: Callable[[], LLMEngine] | EngineConfig, *, max_waiting: int | None = None,
+               step_timeout: float | None = None) -> "AsyncEngine":
         """Start the engine thread, build the engine on it (`build` is an EngineConfig or a callable returning
         an LLMEngine), and return once it is built; the thread then waits for start() and runs it (see the
-        module doc). A failed build raises here, in the caller, and the thread ends."""
+        module doc). A failed build raises here, in the caller, and the thread ends. step_timeout: seconds
+        without progress, with work queued, after which the engine counts as stalled (None: no watchdog)."""
         make = (lambda: build_engine(build)) if isinstance(build, EngineConfig) else build
         built: Future = Future()
 
         def own_the_engine() -> None:
             try:
-                async_engine = cls(make(), max_waiting)
+                async_engine = cls(make(), max_waiting, step_timeout)
             except BaseException as exc:  # reported to the caller; the thread ends
                 built.set_exception(exc)
                 return
@@ -141,12 +149,18 @@ class AsyncEngine:
         with self._count_lock:
             return self._inbox_tokens + self._engine_waiting_tokens
 
+    @property
+    def stalled_reason(self) -> str | None:
+        return self.watchdog.stalled_reason if self.watchdog is not None else None
+
     def unavailable_reason(self) -> str | None:
         """Why the engine takes no new work, or None when it does."""
         if self.dead_reason is None and self._thread is not None and not self._thread.is_alive():
             self.dead_reason = "the engine thread has stopped"
         if self.dead_reason is not None:
             return self.dead_reason
+        if self.stalled_reason is not None:
+            return self.stalled_reason
         if self.draining:
             return "the server is shutting down"
         if self._thread is None or not self._started.is_set():
@@ -200,16 +214,17 @@ class AsyncEngine:
         submissions below take validated input."""
         self.engine.validate(prompt_token_ids, params)
 
-    def admit(self, count: int = 1) -> None:
+    def admit(self, count: int = 1, ahead: int = 0) -> None:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n
         choices, many precomputed chunks) is admitted only into an empty one, so it is not refused forever.
-        Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile."""
-        self._refuse_if_dead()
-        if self.draining:
-            raise ServerDraining(self.unavailable_reason())
+        Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile.
+        ahead: requests admitted already and not queued yet (being tokenized), counted as waiting."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise self._refusal(reason)
         if self.max_waiting is None:
             return
-        waiting = self.num_waiting
+        waiting = self.num_waiting + ahead
         if waiting and waiting + count > self.max_waiting:
             raise QueueFull(waiting, self.max_waiting, count)
 
@@ -230,11 +245,11 @@ class AsyncEngine:
         return self._open("prefetch", request_id, prompt_token_ids, deadline, options)
 
     def _refuse_if_dead(self) -> None:
-        """Raise EngineDeadError unless the engine thread runs and takes work. Draining is admit()'s alone to
-        refuse: choices admitted before the drain began still start."""
+        """Raise EngineDeadError (EngineStalled while the watchdog says so) unless the engine thread runs and
+        takes work. Draining is admit()'s alone to refuse: choices admitted before the drain began still start."""
         reason = self.unavailable_reason()
-        if reason is not None and not (self.draining and self.dead_reason is None):
-            raise EngineDeadError(reason)
+        if reason is not None and not (self.draining and self.dead_reason is None and self.stalled_reason is None):
+            raise self._refusal(reason)
 
     def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
               *args) -> "RequestStream":
@@ -246,6 +261,21 @@ class AsyncEngine:
             self._inbox_tokens += len(prompt_token_ids)
         self._submit((kind, request_id, list(prompt_token_ids), *args))
         return stream
+
+    def _refusal(self, reason: str) -> Exception:
+        if self.dead_reason is not None:
+            return EngineDeadError(reason)
+        if self.stalled_reason is not None:
+            return EngineStalled(reason)
+        return ServerDraining(reason) if self.draining else EngineDeadError(reason)
+
+    def _stalled(self, reason: str) -> None:
+        """From the watchdog's thread: fail every request in flight (their streams end with the error)."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.fail_all, EngineStalled(f"request failed: {reason}"))
+            except RuntimeError:  # the event loop is closed
+                pass
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -302,8 +332,19 @@ class AsyncEngine:
             self._engine_waiting_tokens = tokens
 
     def _run(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
+        try:
+            self._serve()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+
+    def _serve(self) -> None:
+        beat = self.watchdog.beat if self.watchdog is not None else (lambda: None)
         try:
             while not self._stop:
+                beat()
                 self._drain_inbox()
                 if not self.engine.has_work():
                     self._snapshot = self.engine.snapshot()

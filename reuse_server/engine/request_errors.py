@@ -11,6 +11,11 @@ class EngineDeadError(EngineUnavailable):
     """The engine thread has stopped (a failed step, or it was shut down); requests in it failed."""
 
 
+class EngineStalled(EngineUnavailable):
+    """The engine thread made no progress for --step-timeout seconds with work queued (engine/watchdog.py):
+    requests in flight failed and new ones are refused until a step returns."""
+
+
 class ServerDraining(EngineUnavailable):
     """The server is shutting down: in-flight requests may finish, new ones are refused."""
 

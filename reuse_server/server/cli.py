@@ -13,6 +13,7 @@ apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.p
 
 from reuse_server.engine.config import EngineConfig  # noqa: E402
 from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
+from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT  # noqa: E402  (torch-free)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
@@ -291,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_argument("--response-store-ttl", type=positive_float, default=24 * 3600.0, metavar="SECONDS",
                          help="with --redis-url, stored responses are also kept in Redis for this long, so the "
                               "next turn (previous_response_id) can be served by any replica sharing it")
+    service.add_argument("--step-timeout", type=non_negative_float, default=DEFAULT_STEP_TIMEOUT, metavar="SECONDS",
+                         help="an engine that makes no progress for this long with work queued (a step that does "
+                              "not return) is stalled: /health and new requests answer 503 with Retry-After, "
+                              "requests in flight end with an error, until a step returns (0: no watchdog)")
     service.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                          help="on SIGTERM, refuse new requests (503) and let those in flight finish for this long, "
                               "then abort the rest and exit 0")
@@ -394,7 +399,8 @@ def serve(args: argparse.Namespace) -> int:
 
     keys = ApiKeys(tenant_keys(args), args.admin_api_keys or [])
     try:
-        engine = AsyncEngine.launch(engine_config(args), max_waiting=args.max_waiting)
+        engine = AsyncEngine.launch(engine_config(args), max_waiting=args.max_waiting,
+                                    step_timeout=args.step_timeout or None)
     except Exception as exc:  # any load failure is reported as one line; --log-level debug shows the traceback
         logging.getLogger("reuse_server").debug("model load failed", exc_info=True)
         print(f"reuse-server: error: could not load the model: {exc}", file=sys.stderr)

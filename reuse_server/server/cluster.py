@@ -11,8 +11,13 @@ The gateway flags set here (each can be overridden with --gateway-arg):
 - --worker-startup-check-interval 1: in sglang-router 0.3.x this interval is also the period of the load
   monitor that polls each worker's GET /get_load for the power-of-two policy (30 s by default: the loads
   it compares would be half a minute old);
-- --health-check-interval-secs 2 and --cb-failure-threshold 3: a dead replica leaves the rotation within
-  seconds (after 3 failed requests or probes), while the gateway retries the failed requests elsewhere;
+- --retry-max-retries 5 --retry-initial-backoff-ms 50 --retry-max-backoff-ms 1000: a request that fails
+  with 408/429/5xx or a refused connection (a dead, draining or stalled replica) is sent again, to a worker
+  chosen again, up to 5 times within about 2 s (the gateway's own backoff grows towards 30 s);
+- --health-check-interval-secs 2 --health-check-timeout-secs 2 --health-failure-threshold 2 and
+  --cb-failure-threshold 3: a dead replica, or one whose /health answers 503 (draining, a stalled engine),
+  leaves the rotation within seconds (two failed probes, or three failed requests), and one that answers ok
+  again (a stall that ended) comes back after two good probes (--health-success-threshold, its default);
 - --prometheus-host 127.0.0.1 --prometheus-port (a free port): the gateway's own metrics listener, which
   otherwise takes 0.0.0.0:29000 and so fails the second gateway on a machine.
 
@@ -46,7 +51,11 @@ DEFAULT_POLICY = {"smg": "power_of_two", "vllm-router": "kv_aware"}
 ROUTER_MODULES = {"smg": "sglang_router.launch_router", "vllm-router": "vllm_router.launch_router"}
 _HEALTH_FLAGS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
                  "--cb-failure-threshold", "3"]
-GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, "--log-level", "warn"],
+# the gateway retries a request a dead replica dropped and takes the replica out after two failed checks
+# (tests/server/test_replicas.py kills one mid-run)
+_SMG_FAILOVER = ["--retry-max-retries", "5", "--retry-initial-backoff-ms", "50", "--retry-max-backoff-ms", "1000",
+                 "--health-check-timeout-secs", "2", "--health-failure-threshold", "2"]
+GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, *_SMG_FAILOVER, "--log-level", "warn"],
                     "vllm-router": [*_HEALTH_FLAGS, "--log-level", "warning"]}
 # flags the cluster sets on every replica itself
 OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url", "--kv-events", "--kv-events-replay")

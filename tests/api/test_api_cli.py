@@ -17,7 +17,8 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
          "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator", "--api-key",
-         "--api-key-file", "--admin-api-key", "--max-waiting", "--request-timeout", "--shutdown-timeout"]
+         "--api-key-file", "--admin-api-key", "--max-waiting", "--request-timeout", "--step-timeout",
+         "--shutdown-timeout"]
 
 
 def test_help_documents_every_flag_with_its_default(capsys):
@@ -30,7 +31,7 @@ def test_help_documents_every_flag_with_its_default(capsys):
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
                   "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
                   "(default: off)", "(default: 0.15)", "(default: 1)", "(default: kv)", "(default: 32)",
-                  "(default: none", "(default: native)", "(default: 256)", "(default: 30.0)",
+                  "(default: none", "(default: native)", "(default: 256)", "(default: 30.0)", "(default: 60.0)",
                   "(default: none, the routes are open)"]:
         assert shown in text, shown
     assert text.count("(default") >= len(FLAGS) - 3  # --no-blend says "(the default)"; the key file and the
@@ -107,6 +108,7 @@ def test_parse_size(text, size):
     (["--max-waiting", "0"], "at least 1"),
     (["--request-timeout", "0"], "> 0"),
     (["--shutdown-timeout", "-1"], ">= 0"),
+    (["--step-timeout", "-1"], ">= 0"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_:

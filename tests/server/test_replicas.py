@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -125,11 +126,99 @@ def test_a_replica_killed_mid_run_loses_no_request_the_gateway_can_retry(tiny_ll
             deadline = time.monotonic() + 60
             while requests_served(replicas[1].url) < 2 and time.monotonic() < deadline:
                 time.sleep(0.02)
+            unanswered_at_kill = sum(not f.done() for f in futures)
             replicas[1].process.kill()  # mid-run: requests are in flight on it and more are coming
             answers = [f.result() for f in futures]
+        # What happened, whatever the machine's speed: the kill came with requests still unanswered, and every
+        # one of the 32 got its whole answer (those the dead replica held were retried on the survivor).
+        assert unanswered_at_kill > 0
         assert all(a.choices[0].finish_reason == "length" and a.usage.completion_tokens == 24 for a in answers)
-        assert requests_served(replicas[0].url) >= 32 - 2 - 8  # what the dead one finished, at most, plus in flight
         workers = {w["url"]: w for w in httpx.get(url + "/workers").json()["workers"]}
         assert workers[replicas[0].url]["is_healthy"]
         # and the survivor goes on serving
         assert ask(99).usage.completion_tokens == 24
+
+
+def test_a_stream_cut_by_a_replica_kill_ends_in_an_error_the_client_sees_and_retried_requests_succeed(
+        tiny_llama_path, tmp_path, redis_url):
+    """Three replicas, round robin: one stream on each; one replica is SIGKILLed. Its stream ends with an error
+    the openai client raises (the gateway cuts the response mid-body: never a stream that looks complete), the
+    other two go on; new requests all succeed (the gateway retries those sent to the dead one) and the gateway
+    takes the dead replica out of its rotation by its health checks."""
+    with replica_set(3, serve_args(tiny_llama_path), tmp_path, redis_url) as replicas, \
+            gateway([r.url for r in replicas], "round_robin", tmp_path) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        streams = [client.completions.create(model="tiny", prompt=f"Story {i}: once upon a time", max_tokens=3000,
+                                             stream=True, extra_body={"ignore_eos": True}) for i in range(3)]
+        chunks = [iter(s) for s in streams]
+        for it in chunks:
+            next(it)  # each is streaming
+        assert [metric(scrape(r.url), "kvreuse_requests_running") for r in replicas] == [1, 1, 1]
+        victim = replicas[1]
+        victim.process.kill()
+        victim.process.wait()
+
+        outcomes = []  # per stream: the error it raised, or how many more chunks it gave before we closed it
+        for s, it in zip(streams, chunks):
+            try:
+                for n, chunk in enumerate(it):
+                    assert chunk.choices[0].finish_reason is None  # nothing looks like a clean end
+                    if n >= 200:
+                        break
+                outcomes.append(n)
+            except Exception as exc:  # what a client sees of the cut
+                outcomes.append(exc)
+            finally:
+                s.close()
+        errors = [o for o in outcomes if isinstance(o, Exception)]
+        print("after the kill:", [type(o).__name__ if isinstance(o, Exception) else f"{o} chunks" for o in outcomes])
+        assert len(errors) == 1 and all(o == 200 for o in outcomes if not isinstance(o, Exception))
+        assert isinstance(errors[0], (httpx.TransportError, openai.APIError)), repr(errors[0])
+
+        def ask(i: int):
+            return client.chat.completions.create(
+                model="tiny", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"Request {i} after the kill."}])
+
+        answers = [ask(i) for i in range(6)]  # round robin sends some to the dead one: retried elsewhere
+        assert all(a.usage.completion_tokens == 8 for a in answers)
+        deadline = time.monotonic() + 120  # a safety net: the health checks take a few seconds
+        while True:
+            workers = {w["url"]: w for w in httpx.get(url + "/workers").json()["workers"]}
+            if victim.url not in workers or not workers[victim.url]["is_healthy"]:
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.2)
+        assert all(workers[r.url]["is_healthy"] for r in replicas if r is not victim)
+
+
+def test_conversations_outlive_a_replica_killed_between_turns(small_llama_path, tmp_path, redis_url):
+    """Two replicas sharing Redis, round robin; six conversations of six turns, one replica SIGKILLed after the
+    third turn: no request fails afterwards (the gateway retries those sent to the dead one), and each later
+    turn on the survivor still finds the whole earlier conversation cached (Redis holds what the dead one
+    computed: a replica answers only once its blocks are written)."""
+    with replica_set(2, serve_args(small_llama_path), tmp_path, redis_url) as replicas, \
+            gateway([r.url for r in replicas], "round_robin", tmp_path) as (url, _):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        conversations = [[{"role": "system", "content": f"You are assistant number {c}."}] for c in range(6)]
+        previous = [None] * 6
+        prompt_after = cached_after = 0
+        for turn in range(6):
+            if turn == 3:
+                replicas[1].process.kill()
+                replicas[1].process.wait()
+            for c, messages in enumerate(conversations):
+                messages.append({"role": "user", "content": f"Conversation {c}, question {turn}: tell me about the "
+                                                            "quick brown fox and the lazy dog, at some length."})
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0.0,
+                                                   extra_body={"ignore_eos": True})
+                assert r.usage.completion_tokens == 8
+                cached = r.usage.prompt_tokens_details.cached_tokens
+                if previous[c] is not None:
+                    assert cached >= previous[c] // BS * BS, (turn, c, cached, previous[c], declined(replicas[:1]))
+                if turn >= 3:
+                    prompt_after += r.usage.prompt_tokens
+                    cached_after += cached
+                previous[c] = r.usage.prompt_tokens
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        print(f"after the kill: {cached_after / prompt_after:.1%} of the prompt tokens cached on the survivor")

@@ -104,9 +104,12 @@ class DiskTier:
             self._path(block_hash).unlink(missing_ok=True)
 
     # ---- reads (the caller's thread) -------------------------------------------------------
-    def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
+    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
+        """contiguous: stop at the first block not held (only an unbroken run is any use)."""
         found = {}
-        for h in hashes:
+        for i, h in enumerate(hashes):
+            if contiguous and len(found) < i:
+                break  # a block before this one was not found
             if h not in self._index:
                 continue
             path = self._path(h)

@@ -64,11 +64,14 @@ class HostTier:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
 
-    def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
+    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
+        """contiguous: stop at the first block not held (only an unbroken run is any use)."""
         found = {}
         with self._lock:
             for h in hashes:
                 entry = self._entries.get(h)
+                if entry is None and contiguous:
+                    break
                 if entry is not None:
                     self._entries.move_to_end(h)
                     found[h] = entry

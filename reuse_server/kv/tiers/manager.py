@@ -117,7 +117,7 @@ class KVTiers:
                 lookups.declined += len(ask)
                 continue
             start = time.perf_counter()
-            got = tier.get([w.hash for w in ask])
+            got = tier.get([w.hash for w in ask], contiguous=contiguous)
             seconds = time.perf_counter() - start
             lookups.read_seconds += seconds
             self.costs.observe_read(tier.name, len(got), seconds)
@@ -130,7 +130,6 @@ class KVTiers:
                     lookups.mismatched += 1
                     tier.discard(w.hash)
                     continue
-                lookups.hits += 1
                 found[w.index] = Found(tier.name, entry)
             missing = [w for w in missing if w.index not in found]
         if contiguous:
@@ -140,6 +139,8 @@ class KVTiers:
                     break
                 run[w.index] = found[w.index]
             found = run
+        for tier in self.levels:  # hits: the blocks used (not those after a gap in a chain)
+            self.lookups[tier.name].hits += sum(f.tier == tier.name for f in found.values())
         return found
 
     @staticmethod

@@ -6,7 +6,15 @@ Writes are batched into pipelines by a background writer; reads of a prompt's bl
 client has short timeouts: if Redis is down or slow, requests go on without it (misses, counted), the outage
 is logged once, and calls are retried after a growing pause until it answers again. Run Redis without
 persistence and with an LRU memory bound: `--save '' --appendonly no --maxmemory 4gb --maxmemory-policy
-allkeys-lru`."""
+allkeys-lru`.
+
+Redis may lose any block at any time (restarted empty, FLUSHALL, a key evicted at maxmemory): a lost block is
+a miss that costs a recompute. A block this server wrote or read is remembered as stored (so that it is not
+written again); a read that finds it gone forgets it, so the next time it is computed it is written again and
+the hit rate recovers. A write Redis refuses (out of memory under `noeviction`) drops that block only; it is
+not an outage. Where only an unbroken run of blocks is any use (the chain continuing what the device holds),
+the read stops at the first missing block (EXISTS before MGET), so blocks whose parents were evicted are not
+transferred for nothing."""
 from __future__ import annotations
 
 import logging
@@ -41,6 +49,7 @@ class RedisTier:
             url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
         self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._refusing_writes = False  # Redis answers but refuses SETs (logged once until one succeeds)
         self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
         self._down_since: float | None = None
         self._retry_at = 0.0
@@ -88,24 +97,36 @@ class RedisTier:
     def used_bytes(self) -> None:
         return None
 
+    def _forget(self, hashes) -> None:
+        with self._lock:
+            for h in hashes:
+                self._known.pop(h, None)
+
     def contains(self, block_hash: bytes) -> bool | None:
         """None: unknown without asking Redis (get asks)."""
         return True if block_hash in self._known else None
 
-    def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
+    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
         """The blocks Redis holds among `hashes`, read MGET_BATCH at a time (a long prompt's blocks are
-        hundreds of megabytes: batches bound the memory a read holds)."""
+        hundreds of megabytes: batches bound the memory a read holds). contiguous: only the unbroken run from
+        the first hash, read up to the first missing block."""
         found: dict[bytes, BlockEntry] = {}
         for i in range(0, len(hashes), MGET_BATCH):
             if not self.available:
                 break
             batch = hashes[i:i + MGET_BATCH]
+            keys = [self.key(h) for h in batch]
             try:
-                values = self.client.mget([self.key(h) for h in batch])
+                values = self._read(keys, contiguous)
             except redis.RedisError as exc:
                 self._failed(exc)
                 break
             self._answered()
+            # Lost from Redis (restart, flush, eviction): forgotten, so they are written again once computed.
+            # After a break in a contiguous read nothing is known of the rest: forgotten too (a write again
+            # of a block Redis still holds only replaces it).
+            self._forget([h for h, value in zip(batch, values) if value is None]
+                         + (hashes[i + len(values):] if contiguous else []))
             bad = []
             for h, value in zip(batch, values):
                 if value is None:
@@ -122,8 +143,26 @@ class RedisTier:
                     self.client.delete(*bad)
                 except redis.RedisError as exc:
                     self._failed(exc)
+            if contiguous and len(values) < len(batch):
+                break
         self._remember(found)
         return found
+
+    def _read(self, keys: list[bytes], contiguous: bool) -> list:
+        """The values of `keys` (None: missing); contiguous: of the unbroken run from the first key only, found
+        with EXISTS first (one pipeline; tiny replies), so that no value after a gap is transferred."""
+        if contiguous:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                held = pipe.execute()
+            keys = keys[:next((i for i, h in enumerate(held) if not h), len(keys))]
+            if not keys:
+                return []
+            values = self.client.mget(keys)
+            gone = next((i for i, v in enumerate(values) if v is None), len(values))  # evicted meanwhile
+            return values[:gone]
+        return self.client.mget(keys)
 
     def discard(self, block_hash: bytes) -> None:
         try:
@@ -144,16 +183,27 @@ class RedisTier:
             with self.client.pipeline(transaction=False) as pipe:
                 for entry, blob in zip(entries, blobs):
                     pipe.set(self.key(entry.hash), blob)
-                pipe.execute()
+                results = pipe.execute(raise_on_error=False)  # a refused SET is that block's, not an outage
         except redis.RedisError as exc:
             self._failed(exc)
             self.stats.dropped_writes += len(entries)
             return
         self._answered()
         self.stats.write_seconds += time.perf_counter() - start
-        self.stats.written += len(entries)
-        self.stats.written_bytes += sum(map(len, blobs))
-        self._remember(e.hash for e in entries)
+        refused = [r for r in results if isinstance(r, Exception)]
+        stored = [(e, b) for e, b, r in zip(entries, blobs, results) if not isinstance(r, Exception)]
+        if refused:
+            self.stats.errors += 1
+            self.stats.dropped_writes += len(refused)
+            if not self._refusing_writes:
+                log.warning("Redis at %s refuses writes (%s): those blocks are not shared", self.url, refused[0])
+                self._refusing_writes = True
+        elif self._refusing_writes:
+            log.warning("Redis at %s takes writes again", self.url)
+            self._refusing_writes = False
+        self.stats.written += len(stored)
+        self.stats.written_bytes += sum(len(b) for _, b in stored)
+        self._remember(e.hash for e, _ in stored)
 
     @property
     def write_queue_bytes(self) -> int:

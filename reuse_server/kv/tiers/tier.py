@@ -17,8 +17,9 @@ class Tier(Protocol):
     def contains(self, block_hash: bytes) -> bool | None:
         """Whether the tier holds the block; None: unknown without asking the store (get asks)."""
 
-    def get(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
-        """The blocks the tier holds among `hashes` (blocking the caller); the caller verifies them."""
+    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
+        """The blocks the tier holds among `hashes` (blocking the caller); the caller verifies them. With
+        `contiguous` (a chain), reading stops at the first block the tier does not hold."""
 
     def put(self, entries: list[BlockEntry]) -> None:
         """Keep these blocks (possibly later, on a writer thread; possibly not at all, counted)."""
