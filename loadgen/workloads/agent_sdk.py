@@ -156,11 +156,9 @@ def _driver(task: Task, instructions: str, request: str, steps: int, max_tokens:
     return drive
 
 
-def build(name: str, cfg: WorkloadConfig) -> Workload:
-    try:
-        import agents  # noqa: F401
-    except ImportError:
-        raise UsageError(f"{NAME} needs the OpenAI Agents SDK: pip install -e '.[loadgen]' (or openai-agents)") from None
+def task_sessions(name: str, cfg: WorkloadConfig, driver, client: str = "openai") -> Workload:
+    """The workload's tasks as sessions of `steps_that_fit` steps each (the last one shorter), each driven by
+    `driver(task, instructions, request, steps, max_tokens)`; every agent workload asks the same tasks."""
     steps = steps_that_fit(cfg)
     tasks = ToolBox(cfg.seed, cfg.tokens_to_chars(cfg.tool_output_tokens)).tasks()
     sessions: list[Session] = []
@@ -169,9 +167,16 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
         task = tasks[k % len(tasks)]
         n = min(steps, remaining)
         rng = random.Random(f"agent-sdk:{cfg.seed}:{k}")
-        session = f"{task.name}{k}"
-        sessions.append(Session(id=session, requests=[], planned=n, driver=_driver(
-            task, _instructions(task, cfg), _request_text(task, rng), n, max(cfg.output_tokens, STEP_MAX_TOKENS),
-            responses=name == RESPONSES_NAME)))
+        sessions.append(Session(id=f"{task.name}{k}", requests=[], planned=n, client=client, driver=driver(
+            task, _instructions(task, cfg), _request_text(task, rng), n, max(cfg.output_tokens, STEP_MAX_TOKENS))))
         remaining -= n
     return Workload(name=name, sessions=sessions)
+
+
+def build(name: str, cfg: WorkloadConfig) -> Workload:
+    try:
+        import agents  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{NAME} needs the OpenAI Agents SDK: pip install -e '.[loadgen]' (or openai-agents)") from None
+    responses = name == RESPONSES_NAME
+    return task_sessions(name, cfg, lambda *args: _driver(*args, responses=responses))

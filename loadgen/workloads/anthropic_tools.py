@@ -10,13 +10,10 @@ task early. Like agent-sdk, prompts depend on the model's answers; it runs only 
 from __future__ import annotations
 
 import inspect
-import math
-import random
 
 from loadgen.errors import UsageError
-from loadgen.workloads.agent_sdk import (STEP_MAX_TOKENS, Task, ToolBox, _instructions, _request_text,
-                                         steps_that_fit)
-from loadgen.workloads.spec import Session, Workload, WorkloadConfig
+from loadgen.workloads.agent_sdk import Task, task_sessions
+from loadgen.workloads.spec import Workload, WorkloadConfig
 
 NAME = "anthropic-tools"
 
@@ -88,15 +85,4 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
     except ImportError:
         raise UsageError(f"{NAME} needs the anthropic SDK and the OpenAI Agents SDK (its tool schemas): "
                          "pip install -e '.[loadgen]'") from None
-    steps = steps_that_fit(cfg)
-    tasks = ToolBox(cfg.seed, cfg.tokens_to_chars(cfg.tool_output_tokens)).tasks()
-    sessions: list[Session] = []
-    remaining = cfg.requests
-    for k in range(math.ceil(cfg.requests / steps)):
-        task = tasks[k % len(tasks)]
-        n = min(steps, remaining)
-        rng = random.Random(f"agent-sdk:{cfg.seed}:{k}")  # agent-sdk's tasks, asked the same way
-        sessions.append(Session(id=f"{task.name}{k}", requests=[], planned=n, client="anthropic", driver=_driver(
-            task, _instructions(task, cfg), _request_text(task, rng), n, max(cfg.output_tokens, STEP_MAX_TOKENS))))
-        remaining -= n
-    return Workload(name=name, sessions=sessions)
+    return task_sessions(name, cfg, _driver, client="anthropic")
