@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from loadgen.errors import UsageError
-from loadgen.http_recorder import RecordingTransport
+from loadgen.http_recorder import recording_transport
 from loadgen.results import RequestResult
 from loadgen.workloads.spec import RequestSpec, Session
 
@@ -162,11 +162,14 @@ class LoadClient:
         (session.client), each of its generation requests measured on the way (http_recorder). Returns the results and how many of
         the planned requests were not sent."""
         results: list[RequestResult] = []
-        transport = RecordingTransport(httpx.AsyncHTTPTransport(), session.id, phase_start, deadline, results)
-        async with httpx.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
+        if session.client == "anthropic":  # the anthropic SDK 2.x is built on httpx2, and takes only its clients
+            import anthropic
+            import httpx2 as h
+        else:
+            h = httpx
+        transport = recording_transport(h)(h.AsyncHTTPTransport(), session.id, phase_start, deadline, results)
+        async with h.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
             if session.client == "anthropic":
-                import anthropic
-
                 client = anthropic.AsyncAnthropic(base_url=self.server, api_key="loadgen", max_retries=0,
                                                   timeout=self.timeout_s, http_client=http)
             else:

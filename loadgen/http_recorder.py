@@ -11,6 +11,7 @@ refuses new requests with `PhaseOver` instead of sending them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from types import SimpleNamespace
@@ -20,8 +21,9 @@ import httpx
 from loadgen.results import RequestResult
 
 
-class PhaseOver(httpx.TransportError):
-    """The phase's duration has passed: the request was not sent."""
+class PhaseOver(Exception):
+    """The phase's duration has passed: the request was not sent (raised as the HTTP library's TransportError
+    too, so the SDK treats it as a connection failure)."""
 
 
 GENERATION_PATHS = ("/chat/completions", "/responses", "/messages")
@@ -78,107 +80,122 @@ def _stream_usage(data: dict, usage: dict | None) -> dict | None:
     return usage
 
 
-class _Watched(httpx.AsyncByteStream):
-    """A response body passed through unchanged while its server-sent events (or JSON) are read."""
+@functools.cache
+def recording_transport(h=httpx):
+    """RecordingTransport for the HTTP library `h` an SDK is built on: httpx (openai) or httpx2 (anthropic 2.x),
+    whose clients take only their own library's transports. Construct it as
+    `recording_transport(h)(h.AsyncHTTPTransport(), session, phase_start, deadline, results)`."""
 
-    def __init__(self, inner: httpx.AsyncByteStream, result: RequestResult, sent: float, streaming: bool):
-        self._inner, self._result, self._sent, self._streaming = inner, result, sent, streaming
-        self._pending = b""
-        self._body = b""
-        self._usage: dict | None = None
-        self._done = False
+    class Refused(PhaseOver, h.TransportError):
+        pass
 
-    async def __aiter__(self):
-        async for chunk in self._inner:
-            self._read(chunk)
-            yield chunk
-        self._finish()
+    class _Watched(h.AsyncByteStream):
+        """A response body passed through unchanged while its server-sent events (or JSON) are read."""
 
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-        self._finish()
+        def __init__(self, inner: httpx.AsyncByteStream, result: RequestResult, sent: float, streaming: bool):
+            self._inner, self._result, self._sent, self._streaming = inner, result, sent, streaming
+            self._pending = b""
+            self._body = b""
+            self._usage: dict | None = None
+            self._done = False
 
-    def _read(self, chunk: bytes) -> None:
-        if not self._streaming:
-            self._body += chunk
-            return
-        self._pending += chunk
-        while b"\n\n" in self._pending:
-            event, self._pending = self._pending.split(b"\n\n", 1)
-            for line in event.splitlines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    self._event(json.loads(line[len(b"data: "):]))
+        async def __aiter__(self):
+            async for chunk in self._inner:
+                self._read(chunk)
+                yield chunk
+            self._finish()
 
-    def _event(self, data: dict) -> None:
-        if "error" in data or data.get("type") in ("error", "response.failed"):
-            error = data.get("error") or (data.get("response") or {}).get("error") or data
-            message = error.get("message", error) if isinstance(error, dict) else error
-            self._result.error = f"in-stream error: {message}"[:300]
-            return
-        if self._result.ttft_s is None and _carries_output(data):
-            self._result.ttft_s = time.perf_counter() - self._sent
-        self._usage = _stream_usage(data, self._usage)
+        async def aclose(self) -> None:
+            await self._inner.aclose()
+            self._finish()
 
-    def _finish(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        result = self._result
-        result.e2e_s = time.perf_counter() - self._sent
-        if not self._streaming and self._body:
-            self._usage = json.loads(self._body).get("usage")
-            result.ttft_s = result.e2e_s  # a whole answer: its first token reached the client with the last
-        if result.error is not None:
-            return
-        if self._usage is None:
-            result.error = "the response ended without usage"
-            return
-        from loadgen.client import apply_usage  # loadgen.client builds this transport
+        def _read(self, chunk: bytes) -> None:
+            if not self._streaming:
+                self._body += chunk
+                return
+            self._pending += chunk
+            while b"\n\n" in self._pending:
+                event, self._pending = self._pending.split(b"\n\n", 1)
+                for line in event.splitlines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        self._event(json.loads(line[len(b"data: "):]))
 
-        apply_usage(result, _usage(self._usage))
-        result.ok = True
+        def _event(self, data: dict) -> None:
+            if "error" in data or data.get("type") in ("error", "response.failed"):
+                error = data.get("error") or (data.get("response") or {}).get("error") or data
+                message = error.get("message", error) if isinstance(error, dict) else error
+                self._result.error = f"in-stream error: {message}"[:300]
+                return
+            if self._result.ttft_s is None and _carries_output(data):
+                self._result.ttft_s = time.perf_counter() - self._sent
+            self._usage = _stream_usage(data, self._usage)
+
+        def _finish(self) -> None:
+            if self._done:
+                return
+            self._done = True
+            result = self._result
+            result.e2e_s = time.perf_counter() - self._sent
+            if not self._streaming and self._body:
+                self._usage = json.loads(self._body).get("usage")
+                result.ttft_s = result.e2e_s  # a whole answer: its first token reached the client with the last
+            if result.error is not None:
+                return
+            if self._usage is None:
+                result.error = "the response ended without usage"
+                return
+            from loadgen.client import apply_usage  # loadgen.client builds this transport
+
+            apply_usage(result, _usage(self._usage))
+            result.ok = True
 
 
-class RecordingTransport(httpx.AsyncBaseTransport):
-    """Records one RequestResult per generation request into `results`, turn by turn."""
+    class RecordingTransport(h.AsyncBaseTransport):
+        """Records one RequestResult per generation request into `results`, turn by turn."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport, session: str, phase_start: float, deadline: float,
-                 results: list[RequestResult]):
-        self._inner = inner
-        self.session = session
-        self.phase_start = phase_start
-        self.deadline = deadline
-        self.results = results
-        self.refused = 0
+        def __init__(self, inner: httpx.AsyncBaseTransport, session: str, phase_start: float, deadline: float,
+                     results: list[RequestResult]):
+            self._inner = inner
+            self.session = session
+            self.phase_start = phase_start
+            self.deadline = deadline
+            self.results = results
+            self.refused = 0
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST" or not request.url.path.endswith(GENERATION_PATHS):
-            return await self._inner.handle_async_request(request)
-        sent = time.perf_counter()
-        if sent >= self.deadline:
-            self.refused += 1
-            raise PhaseOver("the phase's duration has passed", request=request)
-        result = RequestResult(session=self.session, turn=len(self.results), ok=False, start_s=sent - self.phase_start)
-        self.results.append(result)
-        try:
-            response = await self._inner.handle_async_request(request)
-        except Exception as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:300]
-            result.e2e_s = time.perf_counter() - sent
-            raise
-        if response.status_code >= 400:
-            body = await response.aread()
-            result.error = f"HTTP {response.status_code}: {_error_message(body)}"
-            result.e2e_s = time.perf_counter() - sent
-            return httpx.Response(response.status_code, headers=response.headers, content=body,
+        async def handle_async_request(self, request):
+            if request.method != "POST" or not request.url.path.endswith(GENERATION_PATHS):
+                return await self._inner.handle_async_request(request)
+            sent = time.perf_counter()
+            if sent >= self.deadline:
+                self.refused += 1
+                raise Refused("the phase's duration has passed", request=request)
+            result = RequestResult(session=self.session, turn=len(self.results), ok=False, start_s=sent - self.phase_start)
+            self.results.append(result)
+            try:
+                response = await self._inner.handle_async_request(request)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"[:300]
+                result.e2e_s = time.perf_counter() - sent
+                raise
+            if response.status_code >= 400:
+                body = await response.aread()
+                result.error = f"HTTP {response.status_code}: {_error_message(body)}"
+                result.e2e_s = time.perf_counter() - sent
+                return h.Response(response.status_code, headers=response.headers, content=body,
+                                      extensions=response.extensions)
+            streaming = response.headers.get("content-type", "").startswith("text/event-stream")
+            return h.Response(response.status_code, headers=response.headers,
+                                  stream=_Watched(response.stream, result, sent, streaming),
                                   extensions=response.extensions)
-        streaming = response.headers.get("content-type", "").startswith("text/event-stream")
-        return httpx.Response(response.status_code, headers=response.headers,
-                              stream=_Watched(response.stream, result, sent, streaming),
-                              extensions=response.extensions)
 
-    async def aclose(self) -> None:
-        await self._inner.aclose()
+        async def aclose(self) -> None:
+            await self._inner.aclose()
+
+
+    return RecordingTransport
+
+
+RecordingTransport = recording_transport(httpx)
 
 
 def _error_message(body: bytes) -> str:

@@ -54,6 +54,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
     disk_cache_size: int = 10 * 1000**3  # bytes of disk for them
     disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
+    tier_fetch: str = "auto"  # auto: fetch a block where measured cheaper than recomputing it; always: fetch
     redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
     redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss
     # KV events in vLLM's format for a KV-aware router (kv/events.py): where to publish, where to answer replays
@@ -106,6 +107,8 @@ class EngineConfig:
         if len(self.blend_gradual_factors) != len(self.blend_check_layers):
             problems.append(f"blend_gradual_factors has {len(self.blend_gradual_factors)} values but "
                             f"blend_check_layers has {len(self.blend_check_layers)} layers")
+        if self.tier_fetch not in ("auto", "always"):
+            problems.append(f"unknown tier fetch setting {self.tier_fetch!r}; choose auto or always")
         if self.disk_write_policy not in ("through", "back"):
             problems.append(f"unknown disk write policy {self.disk_write_policy!r}; choose through or back")
         if self.cpu_cache_size < 0 or self.disk_cache_size < 1 or self.redis_timeout <= 0:

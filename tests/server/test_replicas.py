@@ -27,7 +27,10 @@ BS = 16  # a Redis fetch per block must stay cheaper than recomputing it, even o
 
 def serve_args(model_path) -> list[str]:
     return ["--model", str(model_path), "--served-model-name", "tiny", "--block-size", str(BS),
-            "--num-gpu-blocks", "256", "--no-blend-key-shift"]
+            "--num-gpu-blocks", "256", "--no-blend-key-shift",
+            # these tests are about what Redis holds, not whether it is measured cheaper than recomputing on a
+            # busy machine (tiers/costs.py)
+            "--tier-fetch", "always"]
 
 
 @pytest.fixture(scope="module")

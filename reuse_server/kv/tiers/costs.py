@@ -4,17 +4,24 @@ Recomputing costs the engine's measured prefill time per token (steps that prefi
 the block's tokens. Fetching costs the tier's measured seconds per block (its reads, moving average, the
 round trip of a batched read spread over the blocks it returned). Until a rate has been measured, fetching
 is tried: that is how it gets measured. On a fast GPU a slow tier can stop being used; on a CPU, where
-prefill is slow, every tier tends to win (BENCHMARKS.md, KV tiers)."""
+prefill is slow, every tier tends to win (BENCHMARKS.md, KV tiers).
+
+A declined tier is read anyway once every REMEASURE_EVERY declines: its rate was measured at one moment (a
+busy machine, a slow network), and without a new read it would never be measured again, so one slow moment
+would switch the tier off for good. `always` (--tier-fetch always) reads every block a tier holds."""
 from __future__ import annotations
 
 ALPHA = 0.2  # weight of the newest measurement
+REMEASURE_EVERY = 16  # declined lookups of a tier between two reads that measure it again
 
 
 class FetchCosts:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, always: bool = False):
         self.block_size = block_size
+        self.always = always
         self.prefill_seconds_per_token: float | None = None
         self.seconds_per_block: dict[str, float] = {}
+        self.declines: dict[str, int] = {}  # consecutive declines per tier
 
     @staticmethod
     def _average(old: float | None, new: float) -> float:
@@ -34,4 +41,11 @@ class FetchCosts:
 
     def worth_fetching(self, tier: str) -> bool:
         fetch, recompute = self.seconds_per_block.get(tier), self.recompute_seconds()
-        return fetch is None or recompute is None or fetch < recompute
+        if self.always or fetch is None or recompute is None or fetch < recompute:
+            self.declines[tier] = 0
+            return True
+        self.declines[tier] = self.declines.get(tier, 0) + 1
+        if self.declines[tier] >= REMEASURE_EVERY:  # read once more, to measure the tier again
+            self.declines[tier] = 0
+            return True
+        return False

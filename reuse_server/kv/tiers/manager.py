@@ -46,7 +46,7 @@ class Found(NamedTuple):
 class KVTiers:
     def __init__(self, pool: KVPool, host: Tier | None = None, disk: Tier | None = None, remote: Tier | None = None,
                  write_policy: str = "through",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, fetch: str = "auto"):
         """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
         and back."""
         if write_policy not in WRITE_POLICIES:
@@ -58,7 +58,7 @@ class KVTiers:
         self.write_policy = write_policy
         self.dtype = dtype
         self.layout = pool.layout_for(dtype)
-        self.costs = FetchCosts(pool.block_size)
+        self.costs = FetchCosts(pool.block_size, always=fetch == "always")
         self.events = None  # kv.events.KVEvents: told where each block goes (None: nobody asks)
         if host is not None:
             host.on_evict = self._host_evicted
