@@ -119,7 +119,7 @@ def chain(url: str, mode: str, turns: int, first_tokens: int) -> list[dict]:
             for event in stream:
                 if event.type == "response.output_text.delta" and first is None:
                     first = time.perf_counter() - sent
-                if event.type == "response.completed":
+                if event.type in ("response.completed", "response.incomplete"):  # incomplete: cut at 32 tokens
                     final = event.response
         previous = final.id
         if mode != "stored":
