@@ -51,7 +51,9 @@ def events(url: str) -> dict:
 
 
 def served(url: str) -> float:
-    return metric(scrape(url), "kvreuse_requests_total", finish_reason="length")
+    """Requests the replica finished, whatever their finish reason (the random model may stop on its first
+    token: max_tokens 1 ends in length or stop)."""
+    return sum(value for (name, _), value in scrape(url).items() if name == "kvreuse_requests_total")
 
 
 def complete(url: str, prompt: str, chat: bool = False) -> dict:
@@ -96,7 +98,9 @@ def routed(router: str, replicas: list[str], prompt: str, chat: bool = False) ->
     """Send `prompt` through the router; which replica served it, and the answer."""
     before = [served(u) for u in replicas]
     out = complete(router, prompt, chat)
-    grew = [i for i, u in enumerate(replicas) if served(u) > before[i]]
+    deadline = time.monotonic() + 30  # a replica counts its finished request just after the answer leaves
+    while not (grew := [i for i, u in enumerate(replicas) if served(u) > before[i]]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(grew) == 1, grew
     return grew[0], out
 
