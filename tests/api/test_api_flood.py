@@ -45,6 +45,18 @@ class GatedTokenizer:
         return getattr(self._tokenizer, name)
 
 
+def _settled_growth(before: int, bound: int) -> int:
+    """Traced memory grown since `before`, once it has settled under `bound` (garbage collected, the server's
+    closing connections let go) or at the deadline; the caller asserts on what it returns."""
+    deadline = time.monotonic() + SAFETY
+    while True:
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+        if held < bound or time.monotonic() > deadline:
+            return held
+        time.sleep(0.1)
+
+
 def _wait_for(condition, what: str) -> None:
     deadline = time.monotonic() + SAFETY
     while not condition():
@@ -98,14 +110,16 @@ def test_a_flood_of_huge_prompts_is_refused_before_tokenizing(gated_server):
     try:
         before = tracemalloc.get_traced_memory()[0]
         flood = asyncio.run(_flood(url, prompt))
-        gc.collect()
-        held = tracemalloc.get_traced_memory()[0] - before  # what the answered flood leaves behind
+        held = _settled_growth(before, bound=FLOOD * len(prompt) // 10)
     finally:
         tracemalloc.stop()
     assert flood == [(429, "1", "queue_full")] * FLOOD, sorted(set(flood))
     assert tokenizer.calls == MAX_WAITING  # not one of the flood was tokenized
     print(f"{FLOOD} prompts of {len(prompt):,} characters refused; {held / 2**20:.1f} MiB held afterwards")
-    assert held < 10 * len(prompt)  # far less than one copy of each refused prompt (FLOOD * len(prompt))
+    # The flood sent FLOOD * len(prompt) bytes (~10 MB): what stays held is a tenth of that at most, so no
+    # refused body is kept. Not tighter: the server's connections close on its own loop after the client has
+    # its answers, and on a busy machine a few of their read buffers were still alive (1.1 MiB seen).
+    assert held < FLOOD * len(prompt) // 10
 
     tokenizer.gate.set()  # the admitted ones go on: tokenized, then judged as any request is
     for sender in senders:
