@@ -36,7 +36,7 @@ def metric(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def wait_idle(url: str, timeout: float = 15.0) -> dict:
+def wait_idle(url: str, timeout: float = 60.0) -> dict:
     """Poll /metrics until no request runs or waits and no KV block is in use (bounded)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(serve_args: list[str], log_path: Path, startup_timeout: float = 120.0,
+def served(serve_args: list[str], log_path: Path, startup_timeout: float = 300.0,
            cwd: Path | None = None, new_session: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
     """Yields (base URL, process) of `reuse-server serve *serve_args` (port and log level chosen here);
     its output goes to log_path. new_session: the server does not get the terminal's Ctrl+C (its owner stops

@@ -16,7 +16,7 @@ BS = 4
 BLOCKS = 256
 
 
-def wait_for(url: str, ok, timeout: float = 30.0) -> list[dict]:
+def wait_for(url: str, ok, timeout: float = 60.0) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
         load = httpx.get(url + "/get_load").json()

@@ -60,7 +60,7 @@ async def _first_output(stream):
     return await stream.__anext__()
 
 
-async def _wait_for(condition, timeout: float = 10.0) -> None:
+async def _wait_for(condition, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not condition():

@@ -72,7 +72,7 @@ def test_a_second_server_reuses_what_the_first_computed_through_redis(tiny_llama
             assert metric(m, "kvreuse_tier_hits_total", tier="redis") > 0
 
 
-def wait_for_writes(url: str, tier: str, timeout: float = 20.0) -> None:
+def wait_for_writes(url: str, tier: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while metric(scrape(url), "kvreuse_tier_write_queue_bytes", tier=tier) > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
