@@ -191,3 +191,40 @@ def test_engine_greedy_decode_is_transformers_greedy(gemma, reference):
     expected = scores.gather(1, theirs[len(prompt):, None])[:, 0]
     print("logprob differences", (torch.tensor(logprobs) - expected).abs().tolist())
     assert torch.allclose(torch.tensor(logprobs), expected, rtol=0, atol=1e-4)  # measured: under 1e-5
+
+
+def test_a_conversation_past_the_window_decodes_the_same_with_the_cache_on_and_off(gemma):
+    """Three turns, each the previous prompt + its answer + new text, growing from 400 tokens past the local
+    layers' window (512) to about 830: with the prefix cache on, every turn after the first is served from
+    the cached prompt and answer, and the greedy tokens and their log-probabilities are those of a server
+    without a cache. The pool keeps every layer's KV for the whole prefix, so a cached prefix gives the local
+    layers the window they read."""
+    from engine_runs import assert_logprobs_close, run_one_by_one
+    from reuse_server.engine.builder import build_engine
+    from reuse_server.engine.config import EngineConfig
+
+    _, _, _, tokenizer = gemma
+    text = tokenizer(long_text(60)).input_ids
+    new_text = [text[:400], text[400:600], text[600:800]]
+
+    def engine(prefix: bool):
+        return build_engine(EngineConfig(model="gemma3-270m", block_size=BLOCK_SIZE, num_gpu_blocks=128,
+                                         max_num_seqs=2, max_num_batched_tokens=256, blend_key_shift=False,
+                                         enable_prefix_cache=prefix))
+
+    on, off = engine(True), engine(False)
+    prompt: list[int] = []
+    for turn, added in enumerate(new_text):
+        prompt = prompt + added
+        got_on = run_one_by_one(on, [(f"t{turn}", prompt)], max_tokens=8)[f"t{turn}"]
+        got_off = run_one_by_one(off, [(f"t{turn}", prompt)], max_tokens=8)[f"t{turn}"]
+        assert got_on[0] == got_off[0], f"turn {turn}"
+        assert_logprobs_close(got_on[1], got_off[1])
+        assert got_off[2].cached_tokens == 0
+        if turn:
+            # the previous prompt and answer, but the answer's last token (sampled, never run through the model)
+            assert got_on[2].cached_tokens == len(prompt) - len(added) - 1
+        print(f"turn {turn}: {len(prompt)} prompt tokens, {got_on[2].cached_tokens} cached")
+        prompt = prompt + got_on[0]
+    assert len(prompt) > WINDOW + 300
+    assert on.snapshot()["in_use_blocks"] == off.snapshot()["in_use_blocks"] == 0
