@@ -35,7 +35,7 @@ from .quant_weights import WEIGHT_DTYPES, kind_for, metadata_entry, to_tensors
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = "2"  # bump when the folder layout changes, so old caches are not reused
+CONVERTER_VERSION = "3"  # bump when the folder layout changes, so old caches are not reused
 _PERMUTED_ARCHITECTURES = {"llama"}  # GGUF archs whose Q/K rows llama.cpp's converter permuted
 _SUPPORTED_GGUF_ARCHITECTURES = {"llama", "qwen2", "gemma3"}
 _NORMS_STORED_AS_ONE_PLUS_W = {"gemma3"}  # llama.cpp's converter adds 1 to Gemma's norm weights
@@ -190,6 +190,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weight_dtype: str = "fp32", con
             del tensors[key]
         layouts.pop("lm_head.weight", None)
     if converted is None:
+        _name_the_architecture(config)
         config.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"),
@@ -219,6 +220,15 @@ def _config_and_tokenizer(gguf_path: Path, reader, arch: str):
     elif not tokenizer.chat_template:
         log.warning("%s has no tokenizer.chat_template; chat requests will need one", gguf_path)
     return config, tokenizer
+
+
+def _name_the_architecture(config) -> None:
+    """A config read from GGUF metadata names its model type but no model class; tools that read the folder
+    without transformers' GGUF path (NVIDIA Dynamo's frontend) refuse a config.json without `architectures`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not getattr(config, "architectures", None):
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
 
 
 def _add_eos(config, token_id: int) -> None:

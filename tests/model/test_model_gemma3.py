@@ -7,6 +7,7 @@ Tolerance: max |ours - reference| / max |reference| <= 1e-4, as for SmolLM2. The
 once per prompt and only at the rows compared (262,144 logits a row)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,7 @@ def test_converted_folder_knows_what_the_gguf_does_not_record(gemma):
     folder, model, config, tokenizer = gemma
     assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == \
         ("gemma3_text", 18, 4, 1, 256)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
     assert config.layer_windows == tuple(None if (i + 1) % 6 == 0 else WINDOW for i in range(18))
     assert (config.layer_rope_theta(0), config.layer_rope_theta(5)) == (10_000.0, 1_000_000.0)
     assert config.attention_scale == 256 ** -0.5 and config.embedding_multiplier == 640 ** 0.5

@@ -4,6 +4,8 @@ itself is sane (the model answers a simple question)."""
 
 import importlib.util
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -53,6 +55,7 @@ class Runner:
 def test_converted_folder_is_complete(smollm2):
     folder, _, config, tokenizer = smollm2
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.tie_word_embeddings) == (30, 9, 3, True)
     assert tokenizer.eos_token == "<|im_end|>" and config.eos_token_ids == (tokenizer.eos_token_id,)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
