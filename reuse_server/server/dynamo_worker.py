@@ -8,8 +8,11 @@ work the same) and publishes its KV events in vLLM's format (kv/events.py) on a 
 Dynamo's worker runtime subscribes to and relays to its routers (`ZmqSource`). Blending cannot be asked for:
 a token-level request carries no chunk boundaries (messages, text parts) and no `kv_blend` options.
 
-Dynamo is optional (not a dependency of this project): `pip install ai-dynamo-runtime==1.6.1 && pip install
---no-deps ai-dynamo==1.6.1`. Run without etcd or NATS with `--discovery-backend file` (DYN_FILE_KV: the
+The worker's Dynamo system server (DYN_SYSTEM_PORT) serves the engine's `kvreuse_*` metrics in its /metrics,
+next to Dynamo's own (`register_prometheus`), so a worker's hits and requests are read as a `serve` replica's.
+
+Dynamo comes with `make` (the `dynamo` extra, then `pip install --no-deps ai-dynamo==1.6.1`: its other
+dependencies are NVIDIA-only); the server itself never imports it. Run without etcd or NATS with `--discovery-backend file` (DYN_FILE_KV: the
 folder workers and frontend share), `--request-plane tcp` and `--event-plane zmq`.
 
     reuse-server dynamo-worker [--namespace dynamo] [--component backend] -- --model DIR [serve flags]"""
@@ -57,10 +60,12 @@ def sampling_params(request: dict):
 def engine_class():
     """The Dynamo engine class (built here: dynamo is imported only when the command runs)."""
     from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
+    from dynamo.common.backend.metrics import register_engine_registry
     from dynamo.common.backend.publisher import ZmqSource
 
     from reuse_server.engine.async_engine import AsyncEngine
     from reuse_server.server.cli import build_parser, engine_config
+    from reuse_server.server.metrics import ServerMetrics
 
     class ReuseEngine(LLMEngine):
         def __init__(self, config):
@@ -87,6 +92,7 @@ def engine_class():
 
         async def start(self, worker_id: int):
             self.engine = await asyncio.to_thread(AsyncEngine.launch, self.config)
+            self.engine.metrics = ServerMetrics(self.engine)  # the engine reports TTFT and request ends to it
             await self.engine.start()
             parts = self.engine.engine
             return EngineConfig(model=self.config.model, served_model_name=self.config.served_model_name,
@@ -95,6 +101,10 @@ def engine_class():
                                                     total_kv_blocks=parts.cache.num_blocks,
                                                     max_num_seqs=self.config.max_num_seqs,
                                                     max_num_batched_tokens=self.config.max_num_batched_tokens))
+
+        async def register_prometheus(self, metrics):
+            # the worker's Dynamo /metrics (DYN_SYSTEM_PORT) carries the engine's kvreuse_* metrics, as serve's does
+            register_engine_registry(metrics, self.engine.metrics.registry, prefix_filters=["kvreuse_"])
 
         async def kv_event_sources(self):
             return [ZmqSource(endpoint=self.config.kv_events)]

@@ -2,25 +2,23 @@
 --router-mode kv`), all on loopback without etcd or NATS (file discovery, TCP request plane, ZMQ event
 plane): two of our workers register the tiny checkpoint, the frontend tokenizes and routes, and a prompt that
 continues one a worker computed goes to that worker (Dynamo's KV router knows it only from the KV events our
-engine publishes and the worker relays) and is served from its cache. Which worker served a request is read
-from each worker's Dynamo metrics (DYN_SYSTEM_PORT).
+engine publishes and the worker relays) and is served from its cache; once a worker has evicted a prompt both
+computed (its BlockRemoved events applied by the router), the prompt goes to the other; a worker SIGKILLed
+mid-run costs no request (the frontend migrates them, with --migration-limit). Which worker served a request is
+read from each worker's Dynamo metrics (DYN_SYSTEM_PORT), what the router applied from the frontend's.
 
 `make test` installs Dynamo (ai-dynamo-runtime through the dynamo extra, ai-dynamo without its NVIDIA-only
 dependencies), so the test runs wherever the suite does."""
 from __future__ import annotations
 
-import os
-import socket
 import random
-import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from reuse_server.server.launcher import free_port
-from server_process import REPO
+from reuse_server.server.dynamo_cluster import dynamo_cluster
 
 import dynamo.llm  # noqa: F401  (installed by make; an ImportError here is a broken set-up, not a skip)
 import msgspec  # noqa: F401  (dynamo.frontend needs it)
@@ -38,34 +36,6 @@ def text(seed: int, words: int = 15) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def wait(ok, what: str, procs, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        for name, proc, log in procs:
-            assert proc.poll() is None, f"{name} exited:\n{log.read_text()[-3000:]}"
-        try:
-            if ok():
-                return
-        except (httpx.TransportError, ValueError, KeyError):
-            pass
-        assert time.monotonic() < deadline, f"{what} did not happen"
-        time.sleep(0.3)
-
-
-def system_port() -> int:
-    """A free port Dynamo takes for DYN_SYSTEM_PORT: 1.6.1 parses it as an i16, so below 32768."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below 32768")
-
-
 def worker_requests(port: int) -> float:
     text_ = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     for line in text_.splitlines():
@@ -76,50 +46,11 @@ def worker_requests(port: int) -> float:
 
 @pytest.fixture(scope="module")
 def dynamo(tiny_llama_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dynamo")
-    env = dict(os.environ, DYN_FILE_KV=str(root / "kv"), DYN_TCP_RPC_HOST="127.0.0.1",
-               DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
-               DYN_SYSTEM_HOST="127.0.0.1", DYN_SYSTEM_ENABLED="true", HOME=str(root))
-    procs, ports = [], []
-    try:
-        for i in range(2):
-            port = system_port()
-            log = root / f"worker-{i}.log"
-            with open(log, "w") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "reuse_server.server.cli", "dynamo-worker", "--", "--model",
-                     str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
-                     "--num-gpu-blocks", "64", "--no-blend-key-shift"],
-                    cwd=REPO, env=dict(env, DYN_SYSTEM_PORT=str(port)), stdout=out, stderr=subprocess.STDOUT)
-            procs.append((f"worker {i}", proc, log))
-            ports.append(port)
-        http_port = free_port()
-        log = root / "frontend.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-                 "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
-                 "--router-mode", "kv"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        procs.append(("frontend", proc, log))
-        url = f"http://127.0.0.1:{http_port}"
-        for port in ports:
-            wait(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ready",
-                 "a worker's start", procs)
-        # the frontend has found both workers (its log says so) and serves the model
-        wait(lambda: log.read_text().count("Adding worker WorkerWithDpRank") >= 2
-             and httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny",
-             "the frontend's discovery of both workers", procs)
-        yield url, ports
-    finally:
-        for _, proc, _ in reversed(procs):
-            proc.terminate()
-        for _, proc, _ in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    for name, _, log in procs[:2]:
+    serve_args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
+                  "--num-gpu-blocks", "64", "--no-blend-key-shift"]
+    with dynamo_cluster(2, serve_args, tmp_path_factory.mktemp("dynamo"), startup_timeout=240) as cluster:
+        yield cluster.url, cluster.system_ports
+    for log in cluster.worker_logs:
         assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
@@ -148,3 +79,121 @@ def test_a_continued_prompt_goes_to_the_worker_holding_it(dynamo, k):
     second = complete(url, prompt + " and then the harbor")
     assert served_by(ports, before) == holder
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= BS
+
+
+def samples(url: str, name: str, *labels: str) -> float:
+    """The sum of `name`'s samples at url/metrics whose labels include each of `labels` (`key="value"`)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
+               if line.startswith(name + "{") and all(label in line for label in labels))
+
+
+def worker_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def worker_id(port: int) -> int:
+    """The worker's Dynamo instance id (its metrics' worker_id label, in hex), which the frontend routes by."""
+    for line in httpx.get(worker_url(port) + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("dynamo_component_requests_total{") and 'dynamo_endpoint="generate"' in line:
+            return int(line.split('worker_id="', 1)[1].split('"', 1)[0], 16)
+    raise AssertionError(f"no worker_id in the metrics of {port}")
+
+
+def relayed(ports, kind: str) -> float:
+    """KV events of `kind` (stored, removed) the workers' Dynamo runtimes took from our engines to relay."""
+    return sum(samples(worker_url(p), "dynamo_component_kv_publisher_zmq_events_total", f'event_type="{kind}"',
+                       'stage="accepted"') for p in ports)
+
+
+def applied(url: str, kind: str, *labels: str) -> float:
+    """KV events of `kind` the frontend's KV router applied to its index (any outcome unless labels say)."""
+    return samples(url, "dynamo_component_kv_cache_events_applied", f'event_type="{kind}"', *labels)
+
+
+def until(ok, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"{what} did not happen"
+        time.sleep(0.1)
+
+
+def settled(url: str, ports) -> bool:
+    """The router has applied every event the workers relayed (>=: a recovery replay may apply one twice)."""
+    return all(applied(url, kind) >= relayed(ports, kind) for kind in ("stored", "removed"))
+
+
+def pinned(url: str, ports, prompt: str, worker: int) -> dict:
+    """`prompt` run on one worker, named by instance id (nvext.backend_instance_id): the router's index learns
+    of it only from that worker's events."""
+    before = [worker_requests(p) for p in ports]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+            "nvext": {"backend_instance_id": worker_id(ports[worker])}}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert served_by(ports, before) == worker
+    return r.json()
+
+
+@pytest.mark.parametrize("evicting", [0, 1])
+def test_a_workers_evictions_move_the_prompt_to_the_other(dynamo, evicting):
+    """Both workers compute a prompt (each sent it by instance id); one then computes unrelated prompts that
+    need its whole pool (64 blocks), which evicts the prompt, and relays the BlockRemoved events; once the router
+    has applied them the continued prompt goes to the other worker and is served from its cache."""
+    url, ports = dynamo
+    prompt = f"{5 + evicting} {text(100 + evicting)}"
+    stored = applied(url, "stored", 'status="ok"')
+    for worker in (0, 1):
+        assert pinned(url, ports, prompt, worker)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    until(lambda: applied(url, "stored", 'status="ok"') >= stored + 2 and settled(url, ports),
+          "the router's taking the workers' stored events")
+    removed, relayed_removals = applied(url, "removed", 'status="ok"'), relayed(ports[evicting:evicting + 1], "removed")
+    for i in range(3):  # the prompt is the oldest in the pool
+        pinned(url, ports, text(200 + 10 * evicting + i, words=35), evicting)
+    assert relayed(ports[evicting:evicting + 1], "removed") > relayed_removals  # it evicted and said so
+    until(lambda: applied(url, "removed", 'status="ok"') > removed and settled(url, ports),
+          "the router's applying the BlockRemoved events")
+    before = [worker_requests(p) for p in ports]
+    out = complete(url, prompt + " and then the harbor")
+    assert served_by(ports, before) == 1 - evicting
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= BS
+
+
+def test_a_worker_killed_mid_run_costs_no_request_the_frontend_can_retry(tiny_llama_path, tmp_path):
+    """Two workers of its own behind a frontend with --migration-limit 3 (by default, 0, Dynamo answers 503 for
+    each request a dead worker held or is sent before discovery drops it). 24 requests, 6 at a time; worker 1
+    is SIGKILLed while it runs some. Every one gets its whole answer: the frontend migrates those the dead
+    worker dropped (with what they had generated) and those it still routes there to the survivor, and counts
+    the migrations. The dead worker's discovery entry expires (the file backend's lease), the router drops it,
+    and what comes after is all served by the survivor."""
+    serve_args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
+                  "--num-gpu-blocks", "64", "--no-blend-key-shift"]
+    with dynamo_cluster(2, serve_args, tmp_path, startup_timeout=240,
+                        frontend_args=["--migration-limit", "3"]) as cluster:
+        url, ports = cluster.url, cluster.system_ports
+        victim = worker_id(ports[1])
+
+        def ask(i: int) -> dict:
+            body = {"model": "tiny", "prompt": f"Request {i}: {text(300 + i)}", "max_tokens": 64, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=180)
+            assert r.status_code == 200, (i, r.status_code, r.text)
+            return r.json()
+
+        def running(port: int) -> float:
+            return samples(worker_url(port), "dynamo_component_inflight_requests", 'dynamo_endpoint="generate"')
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(ask, i) for i in range(24)]
+            until(lambda: running(ports[1]) >= 1, "a request on worker 1")
+            unanswered_at_kill = sum(not f.done() for f in futures)
+            cluster.worker_processes[1].kill()  # mid-run: requests are in flight on it and more are coming
+            cluster.worker_processes[1].wait()
+            answers = [f.result() for f in futures]
+        assert unanswered_at_kill > 0
+        assert all(a["usage"]["completion_tokens"] == 64 for a in answers)
+        assert samples(url, "dynamo_frontend_model_migration_total") > 0
+        until(lambda: samples(url, "dynamo_component_router_worker_registered", f'router_worker_id="{victim}"') == 0,
+              "the router's dropping the dead worker")
+        before = worker_requests(ports[0])
+        after = [ask(100 + i) for i in range(4)]
+        assert all(a["usage"]["completion_tokens"] == 64 for a in after)
+        assert worker_requests(ports[0]) - before == 4
