@@ -52,11 +52,11 @@ ROUTER_MODULES = {"smg": "sglang_router.launch_router", "vllm-router": "vllm_rou
 _HEALTH_FLAGS = ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "2",
                  "--cb-failure-threshold", "3"]
 # the gateway retries a request a dead replica dropped and takes the replica out after two failed checks
-# (tests/server/test_replicas.py kills one mid-run)
-_SMG_FAILOVER = ["--retry-max-retries", "5", "--retry-initial-backoff-ms", "50", "--retry-max-backoff-ms", "1000",
-                 "--health-check-timeout-secs", "2", "--health-failure-threshold", "2"]
-GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, *_SMG_FAILOVER, "--log-level", "warn"],
-                    "vllm-router": [*_HEALTH_FLAGS, "--log-level", "warning"]}
+# (tests/server/test_replicas.py and test_kv_routing.py kill one mid-run); both routers take the same flags
+_FAILOVER = ["--retry-max-retries", "5", "--retry-initial-backoff-ms", "50", "--retry-max-backoff-ms", "1000",
+             "--health-check-timeout-secs", "2", "--health-failure-threshold", "2"]
+GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, *_FAILOVER, "--log-level", "warn"],
+                    "vllm-router": [*_HEALTH_FLAGS, *_FAILOVER, "--log-level", "warning"]}
 # flags the cluster sets on every replica itself
 OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url", "--kv-events", "--kv-events-replay")
 STOP_SECONDS = 60.0

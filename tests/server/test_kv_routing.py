@@ -1,7 +1,8 @@
 """Behind vllm-router 0.1.17 (`--policy kv_aware`), the real router on loopback in front of two replicas that
 publish their KV events: a prompt a replica already holds, warmed by calling that replica directly (so only
 its events can tell the router), goes to that replica; once a replica has evicted a prompt both held, the
-prompt goes to the other. Which replica served each request is read from each replica's /metrics.
+prompt goes to the other; a replica SIGKILLed mid-run costs no request (the router retries on the survivor).
+Which replica served each request is read from each replica's /metrics.
 
 The router ingests events on its own schedule and shows nothing of its index; after a replica has published
 the events of a warm-up the test gives the router a moment (a safety margin, not a measure) before routing."""
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -31,19 +34,24 @@ def text(seed: int, words: int = 15) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_path, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("kv-routing")
-    args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
+@contextmanager
+def routed_replicas(model_path, logs):
+    """(router URL, its process, the replicas) once the router has subscribed to each replica's events."""
+    args = ["--model", str(model_path), "--served-model-name", "tiny", "--block-size", str(BS),
             "--num-gpu-blocks", "64", "--no-blend-key-shift"]
     with replica_set(2, args, logs, kv_events=True) as replicas, \
-            gateway([r.url for r in replicas], "kv_aware", logs, router="vllm-router") as (url, _):
-        urls = [r.url for r in replicas]
+            gateway([r.url for r in replicas], "kv_aware", logs, router="vllm-router") as (url, proc):
         deadline = time.monotonic() + 60
-        while not all(events(u)["subscribers"] >= 1 for u in urls):  # the router has subscribed to each
+        while not all(events(r.url)["subscribers"] >= 1 for r in replicas):
             assert time.monotonic() < deadline, "the router did not subscribe to the replicas' events"
             time.sleep(0.1)
-        yield url, urls
+        yield url, proc, replicas
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path, tmp_path_factory):
+    with routed_replicas(tiny_llama_path, tmp_path_factory.mktemp("kv-routing")) as (url, _, replicas):
+        yield url, [r.url for r in replicas]
 
 
 def events(url: str) -> dict:
@@ -131,3 +139,55 @@ def test_a_replicas_evictions_move_the_prompt_to_the_other(cluster, evicting):
     where, out = routed(router, replicas, prompt + " and then the harbor")
     assert where == 1 - evicting
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def router_metric(proc, name: str, **labels) -> float:
+    """A sample of the router's own Prometheus metrics (its --prometheus-port, as the gateway helper set it)."""
+    port = proc.args[proc.args.index("--prometheus-port") + 1]
+    return metric(scrape(f"http://127.0.0.1:{port}"), name, **labels)
+
+
+def test_a_replica_killed_mid_run_costs_no_request_the_router_can_retry(tiny_llama_path, tmp_path):
+    """Two replicas of its own (the kill would take one from the module's). Replica 1 holds two prompts the
+    router knows of by its events only; 24 requests run through the router, 6 at a time, and replica 1 is
+    SIGKILLed while it runs some of them. Every one of the 24 gets its whole answer (those the dead replica
+    dropped are sent again, to the survivor: the router counts the retries), and so do the continuations of
+    the two prompts sent after the kill, which the router's index still places on the dead replica; they are
+    served by the survivor. The router's health checks then take the dead replica out."""
+    with routed_replicas(tiny_llama_path, tmp_path) as (router, proc, reps):
+        replicas = [r.url for r in reps]
+        held = [text(400 + i) for i in range(2)]
+        for prompt in held:
+            warm(replicas[1], prompt)
+
+        def ask(i: int) -> dict:
+            body = {"model": "tiny", "prompt": f"Request {i}: {text(300 + i)}", "max_tokens": 64, "ignore_eos": True}
+            r = httpx.post(router + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, (i, r.status_code, r.text)
+            return r.json()
+
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(ask, i) for i in range(24)]
+            deadline = time.monotonic() + 240
+            while metric(scrape(replicas[1]), "kvreuse_requests_running") < 1:  # the router sends it some
+                assert time.monotonic() < deadline, "the router sent replica 1 nothing"
+                time.sleep(0.02)
+            unanswered_at_kill = sum(not f.done() for f in futures)
+            reps[1].process.kill()  # mid-run: requests are in flight on it and more are coming
+            reps[1].process.wait()
+            answers = [f.result() for f in futures]
+        assert unanswered_at_kill > 0
+        assert all(a["usage"]["completion_tokens"] == 64 for a in answers)
+        for prompt in held:  # the router's index still says replica 1 holds it
+            where, out = routed(router, replicas[:1], prompt + " and then the harbor")
+            assert where == 0 and out["usage"]["completion_tokens"] == 1
+        assert router_metric(proc, "vllm_router_retries_total", route="/v1/completions") > 0
+        deadline = time.monotonic() + 240  # a safety net: the health checks take a few seconds
+        while True:
+            workers = {w["url"]: w for w in httpx.get(router + "/workers").json()["workers"]}
+            if replicas[1] not in workers or not workers[replicas[1]]["is_healthy"]:
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.2)
+        assert workers[replicas[0]]["is_healthy"]
+        assert routed(router, replicas[:1], "one more after the router dropped it")[0] == 0
