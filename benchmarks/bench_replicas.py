@@ -1,9 +1,20 @@
-"""Replicas behind the SGLang model gateway on the bundled SmolLM2: what sharing KV through Redis buys.
+"""Replicas behind a router on the bundled SmolLM2: what each router keeps of one server's reuse, and what
+sharing KV through Redis buys.
 
-Part 1 (matrix): `reuse-loadgen run` through the gateway (`reuse_server.server.cluster`) for each replica count,
-each gateway policy, with and without the Redis tier, on the multi-turn and agent-loop workloads; loadgen
-scrapes every replica's /metrics (--replica-metrics) and reports per-replica requests, hit rate and TTFT and
-their spread. Every cell starts cold (a new Redis, new replicas, a new gateway).
+Part 1 (matrix): `reuse-loadgen run` through the router for each replica count, each router and policy, with
+and/or without the Redis tier, on the multi-turn and agent-loop workloads; loadgen scrapes every replica's
+/metrics (--replica-metrics) and reports per-replica requests, hit rate and TTFT and their spread. Every cell
+starts cold (a new Redis, new replicas, a new router). The routers (--policies; a bare policy is the SGLang
+model gateway's):
+- `round_robin`, `power_of_two`, `cache_aware`, `random`: the SGLang model gateway (sglang-router, started by
+  reuse_server.server.cluster), which routes by the prompt's text (cache_aware) or ignores it;
+- `vllm-router:kv_aware` (or another vllm-router policy): vllm-router, routing by the replicas' own KV events;
+- `dynamo:kv`: `reuse-server dynamo-worker` replicas behind NVIDIA Dynamo's frontend and KV router
+  (reuse_server.server.dynamo_cluster); their hits and requests are read from each worker's Dynamo /metrics,
+  which carries the engine's kvreuse_* counters.
+One replica (the ceiling: everything cached that can be) runs once per Redis setting, behind the SGLang
+gateway with round_robin. loadgen runs with --cache-salt none: the SGLang gateway drops cache_salt anyway, and
+the others would pass it on (a salt changes the replicas' block hashes), so every router sees the same requests.
 
 Part 2 (handoff): a conversation whose every turn goes to the other of two replicas right after the previous
 answer, the answer fed back as the assistant message. The previous turn's last blocks (its answer) are
@@ -13,7 +24,8 @@ read) and "settled" (sent only once the previous replica's Redis write queue is 
 tokens are fewer when immediate lost the race.
 
     .venv/bin/python -m benchmarks.bench_replicas [--replicas 1,2,3] [--policies round_robin,power_of_two,
-        cache_aware] [--workloads multi-turn,agent-loop] [--requests 48] [--skip-matrix] [--skip-handoff]
+        cache_aware,vllm-router:kv_aware,dynamo:kv] [--redis no,yes] [--workloads multi-turn,agent-loop]
+        [--requests 48] [--skip-matrix] [--skip-handoff]
 
 One JSON line per run; the tables at the end (Markdown) for BENCHMARKS.md.
 """
@@ -26,13 +38,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 
 from reuse_server.server.cluster import POLICIES, gateway, replica_set
+from reuse_server.server.dynamo_cluster import dynamo_cluster
 from reuse_server.server.launcher import redis_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,33 +145,93 @@ def loadgen(gateway_url: str, replicas: list[str], workload: str, args, out: Pat
     cmd = [sys.executable, "-m", "loadgen.cli", "run", "--server", gateway_url, "--workload", workload,
            "--out", str(out), "--requests", str(args.requests), "--concurrency", str(args.concurrency),
            "--output-tokens", str(args.output_tokens), "--max-prompt-tokens", str(args.max_prompt_tokens),
-           "--turns", str(args.turns), "--no-plots", "--no-progress", "--replica-metrics", *replicas]
+           "--turns", str(args.turns), "--cache-salt", "none", "--no-plots", "--no-progress",
+           "--replica-metrics", *replicas]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode not in (0, 1):  # 1: some requests failed; the report says which
         raise RuntimeError(f"loadgen failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads((out / "report.json").read_text())["workloads"][workload]
 
 
+ROUTERS = ("smg", "vllm-router", "dynamo")
+DYNAMO_POLICIES = ("kv",)
+MODEL_NAME = "SmolLM2-135M-Instruct"  # what the replicas serve the bundled model as
+
+
+def parse_router(text: str) -> tuple[str, str]:
+    """`policy` (the SGLang model gateway's) or `router:policy` -> (router, policy)."""
+    router, _, policy = text.rpartition(":")
+    router = router or "smg"
+    allowed = DYNAMO_POLICIES if router == "dynamo" else POLICIES.get(router)
+    if allowed is None:
+        raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
+    if policy not in allowed:
+        raise ValueError(f"{router} has no policy {policy!r}; choose from {', '.join(allowed)}")
+    return router, policy
+
+
+def bundled_model_folder() -> Path:
+    """The folder the engine converts the bundled GGUF into (in the weight dtype `serve` picks for it): Dynamo's
+    frontend tokenizes from a model folder."""
+    from reuse_server.model.bundled import bundled_gguf_path
+    from reuse_server.model.loader import resolve_model
+    from reuse_server.model.weight_dtype import choose
+
+    dtype, _ = choose("auto", bundled_gguf_path())
+    return resolve_model("smollm2", dtype)
+
+
+@contextmanager
+def routed(router: str, policy: str, count: int, serve_args: list[str], log_dir: Path,
+           redis_url: str | None) -> Iterator[tuple[str, list[str]]]:
+    """(the URL requests go to, the URLs whose /metrics are each replica's) for `count` replicas behind the
+    router."""
+    if router == "dynamo":
+        redis = ["--redis-url", redis_url] if redis_url else []
+        model = ["--model", str(bundled_model_folder()), "--served-model-name", MODEL_NAME]
+        with dynamo_cluster(count, [*model, *serve_args, *redis], log_dir) as c:
+            yield c.url, c.metrics_urls
+        return
+    with ExitStack() as stack:
+        urls = [r.url for r in stack.enter_context(replica_set(count, serve_args, log_dir, redis_url,
+                                                                kv_events=router == "vllm-router"))]
+        gateway_url, _ = stack.enter_context(gateway(urls, policy, log_dir, router=router))
+        yield gateway_url, urls
+
+
 def matrix(args, serve_args: list[str], log_dir: Path, out_dir: Path) -> list[dict]:
-    """A fresh Redis, replica set and gateway per cell: the gateway drops `cache_salt`, so runs through it cannot
-    be kept apart by namespace, only by starting cold."""
+    """A fresh Redis, replica set and router per cell: the SGLang gateway drops `cache_salt`, so runs through it
+    cannot be kept apart by namespace, only by starting cold."""
     rows = []
     for count in args.replicas:
-        for redis in (False, True):
-            for policy in (args.policies if count > 1 else args.policies[:1]):  # one replica: the policy is moot
+        for redis in args.redis:
+            # one replica: the router is moot (the ceiling)
+            for router, policy in (args.policies if count > 1 else [("smg", "round_robin")]):
+                cell_logs = log_dir / f"r{count}-{router}-{policy}-{'redis' if redis else 'local'}"
+                cell_logs.mkdir(parents=True, exist_ok=True)
                 with ExitStack() as stack:
                     redis_url = stack.enter_context(redis_process(maxmemory="2gb"))[0] if redis else None
-                    urls = [r.url for r in stack.enter_context(replica_set(count, serve_args, log_dir, redis_url))]
-                    gateway_url, _ = stack.enter_context(gateway(urls, policy, log_dir))
+                    entry_url, metric_urls = stack.enter_context(
+                        routed(router, policy, count, serve_args, cell_logs, redis_url))
                     for workload in args.workloads:
-                        name = f"{workload}-r{count}-{policy}-{'redis' if redis else 'local'}"
-                        w = loadgen(gateway_url, urls, workload, args, out_dir / name)
+                        name = f"{workload}-r{count}-{router}-{policy}-{'redis' if redis else 'local'}"
+                        w = loadgen(entry_url, metric_urls, workload, args, out_dir / name)
                         spread = w.get("replicas", {}).get("spread", {})
+                        per_replica = w.get("replicas", {}).get("per_replica", [])
+                        hits = [e.get("prefix_hit_rate") for e in per_replica]
+                        # the replicas' own count (their /metrics): hit rates weighted by their prompt tokens
+                        weighted = [(e["prefix_hit_rate"], e["prompt_tokens"]) for e in per_replica
+                                    if e.get("prefix_hit_rate") is not None and e.get("prompt_tokens")]
+                        total = sum(t for _, t in weighted)
                         row = dict(bench="replicas", workload=workload, replicas=count,
-                                   policy=policy if count > 1 else "-", redis=redis, requests=w["requests"],
-                                   errors=w["errors"], prompt_tokens=w["prompt_tokens"],
-                                   cached_share=w["reuse_rate"], ttft_p50_ms=w["ttft_ms"]["p50"],
-                                   ttft_p90_ms=w["ttft_ms"]["p90"], output_tok_s=w["output_tokens_per_s"],
+                                   router=router if count > 1 else "-", policy=policy if count > 1 else "-",
+                                   redis=redis, requests=w["requests"], errors=w["errors"],
+                                   prompt_tokens=w["prompt_tokens"], cached_share=w["reuse_rate"],
+                                   replica_prompt_tokens=sum(e["prompt_tokens"] or 0 for e in per_replica) or None,
+                                   replica_hit_rates=hits or None,
+                                   replica_cached_share=sum(h * t for h, t in weighted) / total if total else None,
+                                   ttft_p50_ms=w["ttft_ms"]["p50"], ttft_p90_ms=w["ttft_ms"]["p90"],
+                                   ttft_p99_ms=w["ttft_ms"]["p99"], output_tok_s=w["output_tokens_per_s"],
                                    requests_per_replica=spread.get("requests"),
                                    request_share_max=spread.get("max_request_share"),
                                    requests_cv=spread.get("requests_cv"))
@@ -171,21 +245,32 @@ def pct(x) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| workload | replicas | policy | Redis | prompt tokens cached | TTFT p50 / p90 ms | output tok/s | "
-             "requests per replica | busiest share |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | replicas | router | policy | Redis | prompt tokens cached | busiest replica's share | "
+             "requests per replica | TTFT p50 / p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ttft = " / ".join("n/a" if v is None else f"{v:.0f}" for v in (r["ttft_p50_ms"], r["ttft_p90_ms"]))
-        tps = "n/a" if r["output_tok_s"] is None else f"{r['output_tok_s']:.1f}"
+        ttft = " / ".join("n/a" if v is None else f"{v:.0f}" for v in (r["ttft_p50_ms"], r["ttft_p99_ms"]))
         per = "n/a" if r["requests_per_replica"] is None else " / ".join(str(int(v)) for v in r["requests_per_replica"])
-        lines.append(f"| {r['workload']} | {r['replicas']} | {r['policy']} | {'yes' if r['redis'] else 'no'} | "
-                     f"{pct(r['cached_share'])} | {ttft} | {tps} | {per} | {pct(r['request_share_max'])} |")
+        lines.append(f"| {r['workload']} | {r['replicas']} | {r['router']} | {r['policy']} | "
+                     f"{'yes' if r['redis'] else 'no'} | {pct(r['cached_share'])} | {pct(r['request_share_max'])} | "
+                     f"{per} | {ttft} | {r['errors']} |")
     return "\n".join(lines)
+
+
+def redis_settings(text: str) -> list[bool]:
+    settings = {"no": False, "yes": True}
+    if not text or any(x not in settings for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give no, yes or no,yes")
+    return [settings[x] for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
-    p.add_argument("--policies", type=lambda s: s.split(","), default=["round_robin", "power_of_two", "cache_aware"])
+    p.add_argument("--policies", type=lambda s: s.split(","), default=["round_robin", "power_of_two", "cache_aware"],
+                   help="routers: a policy of the SGLang model gateway (round_robin, power_of_two, cache_aware, "
+                        "random), or ROUTER:POLICY: vllm-router:kv_aware (or another vllm-router policy), dynamo:kv")
+    p.add_argument("--redis", type=redis_settings, default=[False, True],
+                   help="no,yes (default): each cell without and with the Redis tier; no or yes: only that")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=["multi-turn", "agent-loop"])
     p.add_argument("--requests", type=int, default=48, help="requests per workload run")
     p.add_argument("--concurrency", type=int, default=4)
@@ -199,9 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-handoff", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="loadgen reports (default: a temporary folder)")
     args = p.parse_args(argv)
-    bad = [x for x in args.policies if x not in POLICIES]
-    if bad:
-        p.error(f"unknown policy {bad[0]}; choose from {', '.join(POLICIES)}")
+    try:
+        args.policies = [parse_router(x) for x in args.policies]
+    except ValueError as exc:
+        p.error(str(exc))
     serve_args = ["--kv-cache-memory", args.kv_cache_memory]
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="bench-replicas-"))
     log_dir = out_dir / "logs"
