@@ -49,6 +49,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_aiperf": ["--requests", "8"],
     "bench_replicas": ["--replicas", "1,2", "--policies", "round_robin", "--workloads", "multi-turn",
                        "--requests", "12", "--skip-handoff"],
+    "bench_failover": ["--replicas", "2", "--conversations", "3", "--turns", "4", "--kill-turn", "2",
+                       "--loss-before", "10", "--loss-after", "15"],
 }
 
 
