@@ -3,7 +3,6 @@ Redis between engines (a real redis-server), damaged files, holes, outages and t
 decision. Every answer is compared with a cold run: a tier may cost hits, never change an answer."""
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -11,18 +10,16 @@ import torch
 
 from radix import BlockRecord
 from redis_server import redis_server
-from reuse_server.engine.config import EngineConfig
-from reuse_server.engine.builder import build_engine
 from reuse_server.kv.pool import KVPool
-from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions
 from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
 from reuse_server.kv.tiers.host import HostTier
 from reuse_server.kv.tiers.manager import Found, KVTiers
+from tier_runs import BS, make, random_prompt, run, same_answer
 from tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
-BS = 4
 SEED = 20261130
 
 
@@ -32,36 +29,8 @@ def checkpoints(tmp_path_factory):
             for seed in (3, 4)}
 
 
-def make(checkpoint, **kw):
-    config = dict(model=str(checkpoint), block_size=BS, num_gpu_blocks=40, blend_key_shift=False)
-    config.update(kw)
-    return build_engine(EngineConfig(**config))
-
-
-def run(engine, rid, ids, max_tokens=6, **cache):
-    """Greedy tokens, their logprobs and the last output of one request run to its end."""
-    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True),
-                       CacheOptions(**cache))
-    tokens, logprobs, last = [], [], None
-    while engine.has_work():
-        for out in engine.step():
-            if out.request_id == rid:
-                tokens += out.new_token_ids
-                logprobs += [lp.logprob for lp in out.logprobs or []]
-                last = out
-        engine.cache.check_invariants()
-    return tokens, logprobs, last
-
-
 def prompt(seed: int, n: int = 70) -> list[int]:
-    rng = random.Random(SEED + seed)
-    print("prompt seed", SEED + seed)
-    return [rng.randrange(3, 200) for _ in range(n)]
-
-
-def same_answer(got, cold):
-    assert got[0] == cold[0]
-    assert got[1] == pytest.approx(cold[1], abs=1e-4)
+    return random_prompt(SEED + seed, n)
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,15 @@ written again when they are computed again, so the hit rate recovers; and where 
 use, blocks after an evicted parent are not transferred."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from redis_server import redis_server
-from reuse_server.engine.builder import build_engine
-from reuse_server.engine.config import EngineConfig
-from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions
+from tier_runs import BS, make, random_prompt, run, same_answer
 from tiny_checkpoint import write_tiny_checkpoint
 
 pytestmark = pytest.mark.server  # starts a redis-server
 
-BS = 4
 SEED = 20261201
 EVICTED = 2  # the block deleted from the middle of a chain, as an LRU eviction would
 
@@ -27,36 +23,8 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
 
 
-def make(checkpoint, **kw):
-    return build_engine(EngineConfig(model=str(checkpoint), block_size=BS, num_gpu_blocks=40, blend_key_shift=False,
-                                     **kw))
-
-
-def run(engine, rid, ids, max_tokens=6):
-    """Greedy tokens, their logprobs and the last output of one request run to its end."""
-    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3, ignore_eos=True),
-                       CacheOptions())
-    tokens, logprobs, last = [], [], None
-    while engine.has_work():
-        for out in engine.step():
-            if out.request_id == rid:
-                tokens += out.new_token_ids
-                logprobs += [lp.logprob for lp in out.logprobs or []]
-                last = out
-        engine.cache.check_invariants()
-    assert last is not None and last.finish_reason == "length"
-    return tokens, logprobs, last
-
-
 def prompt(seed: int, n: int = 70) -> list[int]:
-    rng = random.Random(SEED + seed)
-    print("prompt seed", SEED + seed)
-    return [rng.randrange(3, 200) for _ in range(n)]
-
-
-def same_answer(got, cold):
-    assert got[0] == cold[0]
-    assert got[1] == pytest.approx(cold[1], abs=1e-4)
+    return random_prompt(SEED + seed, n)
 
 
 def redis_tokens(got) -> int:
