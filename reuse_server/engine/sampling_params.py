@@ -17,6 +17,9 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -81,7 +84,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as vLLM: a temperature this small is greedy; dividing by it would take logits to inf and the
+        # probabilities to NaN (a valid request, e.g. temperature 1e-300, that must not fail the step)
+        return self.temperature < SAMPLING_EPS
 
     @property
     def adjusts_logits(self) -> bool:

@@ -20,6 +20,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
         assert s.sample(logits, [SamplerState() for _ in range(6)], [params] * 6) == greedy
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])
+def test_a_vanishing_temperature_is_greedy_not_a_nan(temperature):
+    """Found by the schema fuzzer: logits divided by 1e-300 are inf, their softmax NaN, and sampling from it
+    raised inside the engine step. Below 1e-5 a temperature samples as greedy (vLLM's threshold)."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)) * 30
+    params = SamplingParams(temperature=temperature, top_p=0.9, top_k=5)
+    params.validate()
+    assert Sampler().sample(logits, [SamplerState() for _ in range(6)], [params] * 6) == logits.argmax(-1).tolist()
+
+
 def test_top_k_never_samples_outside_the_k_best():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
     best = set(torch.topk(logits, 3).indices.tolist())
