@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .bundled import bundled_gguf_path, bundled_names, is_bundled
 from .config import ModelConfig
@@ -142,7 +143,7 @@ def load_model(
     path = Path(path)
     config = read_config(path)
     multimodal = _is_multimodal(path)
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = LlamaModel(config)
     expected = set(model.state_dict().keys())
     matrices = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -195,6 +196,18 @@ def load_model(
     return model, config
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips torch.nn.init's initializers (the in-place ones, named with a trailing underscore) while a model
+    is built on the meta device, where there is no data to initialize: meta tensors run torch's Python
+    reference ops, whose first use imports torch._dynamo (with sympy and triton), which would then stay
+    resident for the server's life though it never compiles anything."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_"):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _as_loaded(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Gemma's checkpoints store each RMSNorm weight w and the norm multiplies by (1 + w), computed in fp32 (as
     transformers' Gemma3RMSNorm does): the offset is added here once, so the forward's RMSNorm is Llama's."""
@@ -219,9 +232,31 @@ def _hold_quantized(model: LlamaModel, name: str, weight: QuantizedWeight, dtype
 
 def load_tokenizer(path: Path):
     """The transformers tokenizer of an HF folder (with its chat template, if it has one)."""
-    from transformers import AutoTokenizer
-
     try:
+        if _declares_its_own_class(Path(path)):
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def _declares_its_own_class(path: Path) -> bool:
+    """Whether AutoTokenizer would load the folder's tokenizer as the TokenizersBackend its
+    tokenizer_config.json names (as every folder converted from a llama GGUF does), because transformers
+    registers no tokenizer class of its own for the model type. Loading that class directly skips
+    AutoTokenizer's read of the model config, which imports transformers' model-config modules and, through
+    them, torch.distributed and sympy: resident for the server's life, used by nothing it runs."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (isinstance(declared, dict) and declared.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in declared and model_type is not None
+            and TOKENIZER_MAPPING_NAMES.get(model_type) is None)

@@ -15,10 +15,12 @@ from .config import ModelConfig
 
 def inverse_frequencies(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """fp32 [head_dim // 2], computed as transformers computes it (bit-for-bit on the CPU). With `theta`: plain
-    RoPE of that base (Gemma 3's sliding layers), else the config's base and scaling."""
+    RoPE of that base (Gemma 3's sliding layers), else the config's base and scaling. Always computed on the CPU,
+    also while the model is built under `torch.device("meta")`: arithmetic on meta tensors runs torch's Python
+    reference ops, whose first use imports torch._dynamo (with sympy and triton), resident for the server's life."""
     dim = config.head_dim
     base = config.rope_theta if theta is None else theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling if theta is None else None
     if scaling is None:
         return inv_freq

@@ -1,6 +1,8 @@
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,6 +108,33 @@ def test_tokenizer_has_chat_template_and_special_tokens(tiny_llama_path):
     assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     assert tokenizer.decode(tokenizer("any text, even ünïcode")["input_ids"]) == "any text, even ünïcode"
+
+
+def test_a_declared_tokenizers_backend_loads_as_autotokenizer_loads_it():
+    """The bundled model's folder names TokenizersBackend, which load_tokenizer loads without AutoTokenizer's
+    read of the model config: the tokenizer must be the one AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model("smollm2", "int4")
+    ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+    assert type(ours) is type(auto)
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.chat_template == auto.chat_template
+    assert ours.init_kwargs == auto.init_kwargs and ours.special_tokens_map == auto.special_tokens_map
+    text = "any text, even ünïcode, 12345 <|im_start|>user\nhi<|im_end|>"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+
+
+def test_loading_the_model_imports_no_compiler():
+    """Building the model on the meta device and loading its tokenizer must not import torch._dynamo (nor
+    sympy, triton): nothing a server runs uses them, and once imported they stay resident."""
+    code = ("import sys\n"
+            "from reuse_server.model import load_model, load_tokenizer, resolve_model\n"
+            "path = resolve_model('smollm2', 'int4')\n"
+            "load_model(path, weight_dtype='int4'); load_tokenizer(path)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_config_fields(tiny_qwen2_path):
