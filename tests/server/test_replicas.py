@@ -146,8 +146,8 @@ def test_a_stream_cut_by_a_replica_kill_ends_in_an_error_the_client_sees_and_ret
         tiny_llama_path, tmp_path, redis_url):
     """Three replicas, round robin: one stream on each; one replica is SIGKILLed. Its stream ends with an error
     the openai client raises (the gateway cuts the response mid-body: never a stream that looks complete), the
-    other two go on; new requests all succeed (the gateway retries those sent to the dead one) and the gateway
-    takes the dead replica out of its rotation by its health checks."""
+    other two run to their end; new requests all succeed (the gateway retries those sent to the dead one) and
+    the gateway takes the dead replica out of its rotation by its health checks."""
     with replica_set(3, serve_args(tiny_llama_path), tmp_path, redis_url) as replicas, \
             gateway([r.url for r in replicas], "round_robin", tmp_path) as (url, _):
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -161,21 +161,24 @@ def test_a_stream_cut_by_a_replica_kill_ends_in_an_error_the_client_sees_and_ret
         victim.process.kill()
         victim.process.wait()
 
-        outcomes = []  # per stream: the error it raised, or how many more chunks it gave before we closed it
+        # Each stream is read to its end: the dead replica's may still deliver what it had sent before the kill
+        # (on a busy machine hundreds of chunks sit in the gateway's and the socket's buffers), then it must
+        # raise; the survivors' end cleanly at max_tokens.
+        outcomes = []  # per stream: the error it raised, or the finish reason it ended with
         for s, it in zip(streams, chunks):
             try:
-                for n, chunk in enumerate(it):
-                    assert chunk.choices[0].finish_reason is None  # nothing looks like a clean end
-                    if n >= 200:
-                        break
-                outcomes.append(n)
+                finish = None
+                for chunk in it:
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                outcomes.append(finish)
             except Exception as exc:  # what a client sees of the cut
                 outcomes.append(exc)
             finally:
                 s.close()
         errors = [o for o in outcomes if isinstance(o, Exception)]
-        print("after the kill:", [type(o).__name__ if isinstance(o, Exception) else f"{o} chunks" for o in outcomes])
-        assert len(errors) == 1 and all(o == 200 for o in outcomes if not isinstance(o, Exception))
+        print("after the kill:", [type(o).__name__ if isinstance(o, Exception) else o for o in outcomes])
+        assert len(errors) == 1 and all(o == "length" for o in outcomes if not isinstance(o, Exception))
         assert isinstance(errors[0], (httpx.TransportError, openai.APIError)), repr(errors[0])
 
         def ask(i: int):
