@@ -21,6 +21,7 @@ from reuse_server.engine.config import EngineConfig, resolve_dtype
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
+from reuse_server.kv.layered_pool import LayeredKVPool
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.config import ModelConfig
 from reuse_server.model.bundled import bundled_model
@@ -81,24 +82,21 @@ def build_parts(config: EngineConfig) -> EngineParts:
     on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
     attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel()
 
-    if config.num_gpu_blocks:
-        num_blocks = config.num_gpu_blocks
-    else:
-        num_blocks = config.kv_cache_memory // KVPool.bytes_per_block(mc.num_layers, bs, mc.num_kv_heads,
-                                                                       mc.head_dim, kv_dtype)
-    if num_blocks < 2:
-        raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
-    pool = KVPool(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, kv_dtype, config.device,
-                read_dtype=dtype)
+    pool = build_pool(config, mc, kv_dtype, dtype)
+    num_blocks = pool.num_blocks
     tiers = build_tiers(config, pool, identity)
     events = KVEvents(config.kv_events, bs, config.kv_events_replay) if config.kv_events else None
+    listeners = Listeners(tiers, events)
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
-                       policy=config.eviction_policy, listener=Listeners(tiers, events))
+                       policy=config.eviction_policy, listener=listeners)
     if events is not None:
         events.root = cache.hasher.root
         if tiers is not None:
             tiers.events = events
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers)
+    window = pool.parts if pool.layered else None
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers, window)
+    if window is not None:
+        listeners.listeners.append(blocks)  # last: the tiers copy an evicted block out before its part goes
     chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
@@ -124,8 +122,44 @@ def build_parts(config: EngineConfig) -> EngineParts:
         events=events)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
              identity.short, num_blocks, bs, kv_quant.spec(pool.dtype).name, pool.bytes_per_token, pool.nbytes / 2**20)
+    if window is not None:
+        log.info("the %d sliding-window layers' KV (window %d) in a pool of its own: %d blocks, %.0f bytes a token",
+                 len(pool.window_layers), pool.window, window.num_window_blocks - 1, pool.window_bytes_per_token)
     _return_freed_memory()
     return parts
+
+
+def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPool | LayeredKVPool":
+    """The KV pool: one for every layer, or for a hybrid model (full-attention and sliding-window layers) the
+    layered pool, whose window layers keep only what a window needs (config.window_kv_share)."""
+    bs, heads, hd = config.block_size, mc.num_kv_heads, mc.head_dim
+    windows = tuple(mc.layer_window(layer) for layer in range(mc.num_layers))
+    kinds = {w is None for w in windows}
+    if config.window_kv_share is not None and kinds == {True, False} and len({w for w in windows if w}) == 1:
+        if config.num_gpu_blocks:
+            num_blocks = config.num_gpu_blocks
+            num_window = config.num_window_blocks or max(2, int(num_blocks * config.window_kv_share))
+        else:
+            num_blocks, num_window = LayeredKVPool.split_memory(config.kv_cache_memory, windows, bs, heads, hd,
+                                                                kv_dtype, config.window_kv_share)
+            if config.num_window_blocks:
+                num_window = config.num_window_blocks
+        # every running sequence pins its window and its next slice: fewer parts than that could stall them all
+        window = next(w for w in windows if w)
+        least = config.max_num_seqs * (-(-window // bs) + 1) + -(-config.max_num_batched_tokens // bs) + 1
+        if num_window < least and not config.num_window_blocks:
+            num_window = least
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
+        return LayeredKVPool(windows, num_blocks, num_window, bs, heads, hd, kv_dtype, config.device,
+                             read_dtype=dtype)
+    if config.num_gpu_blocks:
+        num_blocks = config.num_gpu_blocks
+    else:
+        num_blocks = config.kv_cache_memory // KVPool.bytes_per_block(mc.num_layers, bs, heads, hd, kv_dtype)
+    if num_blocks < 2:
+        raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
+    return KVPool(mc.num_layers, num_blocks, bs, heads, hd, kv_dtype, config.device, read_dtype=dtype)
 
 
 def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) -> KVTiers | None:

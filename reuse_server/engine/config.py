@@ -42,6 +42,10 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    # A hybrid model (sliding-window layers beside full-attention ones): the window layers' KV in a pool of its
+    # own, for this share of the block ids (kv/layered_pool.py); None: one pool holds every layer of every block.
+    window_kv_share: float | None = 0.25
+    num_window_blocks: int | None = None  # exact size of that pool in blocks; overrides the share's sizing
     max_num_seqs: int = 16  # running sequences at once
     max_num_batched_tokens: int = 2048  # token budget per scheduler step (prompts go in prefill slices)
     max_model_len: int | None = None  # default: the model's max positions
@@ -100,6 +104,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.window_kv_share is not None and not 0 < self.window_kv_share <= 1:
+            problems.append(f"window_kv_share must be in (0, 1], got {self.window_kv_share}")
+        if self.num_window_blocks is not None and self.num_window_blocks < 2:
+            problems.append(f"num_window_blocks must be at least 2, got {self.num_window_blocks}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             problems.append(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
         if not 0.0 <= self.blend_recompute_ratio <= 1.0:

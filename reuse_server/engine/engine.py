@@ -301,6 +301,8 @@ class LLMEngine:
             cached_blocks=stats.cached_blocks, cached_tokens=stats.cached_tokens,
             sequence_blocks=owned_blocks, sequence_tokens=owned_tokens, held_tokens=held,
             empty_slots=(stats.cached_blocks + owned_blocks) * bs - held,
+            # a hybrid model's window layers, in a pool of their own: parts running requests pin, cached, free
+            **(self.pool.parts.stats() if self.pool.layered else {}),
         )
 
     def close(self, timeout: float = 10.0) -> bool:

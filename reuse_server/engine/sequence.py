@@ -46,6 +46,7 @@ class KVState:
     approximate_namespace: bytes = b""  # where this sequence's blended KV is filed (one per blending setting)
     unpublishable: bool = False  # approximate KV that could not be moved out of the exact namespace
     prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks (exact namespace)
+    window_from: int = 0  # a hybrid pool: blocks from this index on have window parts this sequence pins
 
 
 @dataclass

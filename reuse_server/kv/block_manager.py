@@ -14,15 +14,22 @@ Admission is three steps behind one call (`admit`): `load` (the tiers' blocks co
 into the tree; blocks after a hole are found), `match` (match and lock the prefix, pick a partially shared
 block) and `allocate` (take the first slice's blocks, copy the shared block in, load the blocks found after
 the hole).
+
+A hybrid model (sliding-window layers beside full-attention ones) keeps its window layers' KV in parts of their
+own (`kv/window_parts.py`), which this class alone changes: every block a sequence takes gets a part, pinned;
+the parts of blocks that leave the sequence's window are unpinned as it advances (freed where the sequence
+owns the block, cached where the tree holds it); and a match is usable only up to where the window before the
+reuse point still has its parts (`_window_usable`). The tree's eviction of a block frees its part (`removed`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from radix import InsertResult, OutOfBlocks, PartialMatch, RadixCache
+from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
 
 from reuse_server.engine.sequence import KVState, Sequence
+from reuse_server.kv.window_parts import WindowParts
 
 # Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
 # one per blending setting (recompute ratio and selection settings), so that requests which did not ask for
@@ -64,17 +71,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
                  copy_blocks: Callable[[list[int], list[int]], None] | None = None,
-                 clear_blocks: Callable[[list[int]], None] | None = None, tiers=None) -> None:
+                 clear_blocks: Callable[[list[int]], None] | None = None, tiers=None,
+                 window: WindowParts | None = None) -> None:
         """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
         accounting alone); clear_blocks: the pool's reset of blocks a sequence newly takes (an fp8 pool's
         block scales must not carry a previous owner's range); tiers: the KV tiers below the pool
-        (tiers.KVTiers), if any."""
+        (tiers.KVTiers), if any; window: a hybrid pool's window parts (None: the pool holds every layer of
+        every block). Register the manager as a listener of the cache (after the tiers) when it has a window."""
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_blocks = copy_blocks
         self.clear_blocks = clear_blocks
         self.tiers = tiers
+        self.window = window
 
     @staticmethod
     def publish_namespace(seq: Sequence) -> bytes:
@@ -162,11 +172,11 @@ class BlockManager:
         and start seq's block table with it. Returns the cached block sharing the most of the prompt's next
         block's tokens, locked (allocate copies it and unlocks it), or None."""
         kv = seq.kv
-        match = self.cache.match(tokens, seq.namespace, record_stats=False)
+        match = self._usable_match(tokens, seq.namespace)
         namespace = seq.namespace
         kv.approximate_namespace = approximate_namespace or b""
         if approximate_namespace is not None:
-            approx = self.cache.match(tokens, approximate_namespace, record_stats=False)
+            approx = self._usable_match(tokens, approximate_namespace)
             if approx.num_tokens > match.num_tokens:
                 match, namespace = approx, approximate_namespace
                 kv.approximate = True
@@ -175,6 +185,9 @@ class BlockManager:
         kv.block_table = list(match.block_ids)
         kv.num_computed = match.num_tokens
         kv.num_published = len(match.block_ids)
+        if self.window is not None:
+            kv.window_from = self.window.first_needed(match.num_tokens) if match.block_ids else 0
+            self.window.pin(kv.block_table[kv.window_from:])
         if not match.num_tokens or not self._reuses_partial_blocks(seq):
             # Not at the very start: a few shared template tokens would save nothing and cost the prefill its
             # causal kernel (it would start at position 3 with a mask).
@@ -182,10 +195,34 @@ class BlockManager:
         # The prompt leaves the cached chain inside a block: copy the cached block that shares the most of
         # its tokens and compute only from the divergence on.
         partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
+        if partial is not None and self.window is not None and not self.window.has(partial.block_id):
+            partial = None  # its window layers' KV is gone: the copy would lack it
         if partial is not None:
             self.cache.lock(partial.node)  # allocating must not evict it before the copy
             kv.num_computed += partial.num_tokens
         return partial
+
+    def _usable_match(self, tokens: list[int], namespace: bytes) -> MatchResult:
+        """The cached prefix of tokens that the model can continue from: all of it, except on a hybrid pool,
+        where it ends at the last block boundary whose window (the blocks a query there still sees) has its
+        window parts."""
+        match = self.cache.match(tokens, namespace, record_stats=False)
+        if self.window is None or not match.block_ids:
+            return match
+        usable = self._window_usable(match.block_ids)
+        if usable == len(match.block_ids):
+            return match
+        return self.cache.match(tokens[:usable * self.block_size], namespace, record_stats=False)
+
+    def _window_usable(self, block_ids: list[int]) -> int:
+        """The most leading blocks of a chain after which a query finds every window part it sees."""
+        missing = [0]  # missing[i]: blocks without a part among the first i
+        for block in block_ids:
+            missing.append(missing[-1] + (not self.window.has(block)))
+        for end in range(len(block_ids), 0, -1):
+            if missing[end] == missing[self.window.first_needed(end * self.block_size)]:
+                return end
+        return 0
 
     def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | None,
                  after_hole: dict) -> bool:
@@ -257,11 +294,16 @@ class BlockManager:
             blocks = self.cache.allocate(len(tokens) // self.block_size - len(cached))
         except OutOfBlocks:
             return False
+        if self.window is not None and not self.window.attach(blocks):
+            self.cache.free(blocks)
+            return False
         try:
             fill(blocks)
         except BaseException:
-            self.cache.free(blocks)
+            self._free_owned(blocks, pinned=True)
             raise
+        if self.window is not None:
+            self.window.unpin(blocks)  # cached with the tree's blocks: no sequence needs them yet
         self._file(tokens, list(cached) + blocks, namespace)
         return True
 
@@ -270,8 +312,30 @@ class BlockManager:
         those it already held under the same identity (filed meanwhile) are freed."""
         result = self.cache.insert(tokens, block_ids, namespace)
         if result.duplicate_block_ids:
+            if self.window is not None:  # the tree's copies take the duplicates' pins (and parts they lack)
+                duplicates = set(result.duplicate_block_ids)
+                tree_ids = self.cache.match(tokens, namespace, record_stats=False).block_ids
+                for mine, theirs in zip(block_ids, tree_ids):
+                    if mine in duplicates:
+                        self.window.hand_over(mine, theirs)
             self.cache.free(result.duplicate_block_ids)
         return result
+
+    def _free_owned(self, blocks: list[int], pinned: bool) -> None:
+        """Give caller-owned blocks back to the cache, their window parts (pinned once, or not) too."""
+        if self.window is not None:
+            if pinned:
+                self.window.unpin(blocks)
+            self.window.drop(blocks)
+        self.cache.free(blocks)
+
+    def removed(self, records: list[BlockRecord]) -> None:
+        """The cache evicted these blocks (as its listener, after the tiers copied them out): their window
+        parts are free."""
+        self.window.drop([r.block_id for r in records])
+
+    def stored(self, records: list[BlockRecord]) -> None:
+        pass
 
     def computable(self, seq: Sequence) -> int:
         """Tokens seq can compute next: up to its next block already filled from a tier, or to its end."""
@@ -291,6 +355,9 @@ class BlockManager:
             new = self.cache.allocate(need)
         except OutOfBlocks:
             return False
+        if self.window is not None and not self.window.attach(new):
+            self.cache.free(new)
+            return False
         if self.clear_blocks is not None:
             self.clear_blocks(new)
         kv.block_table.extend(new)
@@ -306,6 +373,20 @@ class BlockManager:
             kv.filled.discard(kv.num_computed // self.block_size)
             kv.num_computed += self.block_size
         self.publish(seq)
+        if self.window is not None:
+            self._slide(seq)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Unpin the window parts of seq's blocks that no query of seq can see any more: freed where seq owns
+        the block (nothing else can use its part), cached where the tree has it."""
+        kv = seq.kv
+        end = min(self.window.first_needed(kv.num_computed), len(kv.block_table))
+        if end <= kv.window_from:
+            return
+        passed = kv.block_table[kv.window_from:end]
+        self.window.unpin(passed)
+        self.window.drop([b for b in passed if b in kv.owned])
+        kv.window_from = end
 
     def publish(self, seq: Sequence) -> None:
         """Hand seq's computed full blocks to the radix tree (so concurrent and later requests hit them)."""
@@ -343,7 +424,14 @@ class BlockManager:
             except OutOfBlocks:
                 kv.unpublishable = True  # never file approximate KV where exact KV is expected
                 return
-            self.copy_blocks(kv.block_table[:n], copies)
+            pinned = kv.block_table[kv.window_from:n] if self.window is not None else []
+            if pinned and not self.window.attach(copies[kv.window_from:]):
+                self.cache.free(copies)
+                kv.unpublishable = True
+                return
+            self.copy_blocks(kv.block_table[:n], copies)  # a copy without a window part takes no window KV
+            if pinned:
+                self.window.unpin(pinned)
             kv.block_table[:n] = copies
             kv.owned.update(copies)
             self.cache.unlock(kv.node)
@@ -370,8 +458,10 @@ class BlockManager:
         so does the partial last block, as a tail."""
         self.file_tail(seq)
         kv = seq.kv
+        if self.window is not None:
+            self.window.unpin(kv.block_table[kv.window_from:])
         if kv.owned:
-            self.cache.free(sorted(kv.owned))
+            self._free_owned(sorted(kv.owned), pinned=False)
         if kv.node is not None:
             self.cache.unlock(kv.node)
         seq.kv = KVState(prompt_hashes=kv.prompt_hashes)  # the prompt's identities do not change

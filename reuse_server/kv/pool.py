@@ -108,6 +108,17 @@ class KVPool:
             raise ValueError(f"{memory_bytes} bytes hold no KV block (one block takes {per_block} bytes)")
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, read_dtype)
 
+    layered = False
+
+    def route(self, layer: int, meta):
+        """(pool, its index for `layer`, `meta` in that pool's block ids): this pool holds every layer
+        (LayeredKVPool splits a hybrid model's)."""
+        return self, layer, meta
+
+    def exportable(self, block: int) -> bool:
+        """Whether the block's KV is whole here for a tier to take (always, in a pool of one layer group)."""
+        return True
+
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size

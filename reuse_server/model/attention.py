@@ -23,6 +23,7 @@ class AttentionMetadata:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
     _leading_runs: list | None = field(default=None, repr=False, compare=False)
+    _remapped: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -40,6 +41,17 @@ class AttentionMetadata:
         if i != len(picked):
             raise ValueError(f"rows {picked} are not ascending indices below {self.query_start[-1]}")
         return AttentionMetadata(starts, self.block_tables, self.context_lens, self.slot_mapping[rows])
+
+    def remapped(self, table: torch.Tensor, block_size: int) -> "AttentionMetadata":
+        """The same step in another pool's block ids (a hybrid pool's window layers: table[id] is the id's
+        block there), built once and shared by every layer of that pool."""
+        if self._remapped is None:
+            table = table.to(self.slot_mapping.device)
+            slots = self.slot_mapping
+            self._remapped = AttentionMetadata(
+                self.query_start, [table[t] for t in self.block_tables], self.context_lens,
+                table[torch.div(slots, block_size, rounding_mode="floor")] * block_size + slots % block_size)
+        return self._remapped
 
     def cached(self, positions: torch.Tensor, key, build):
         """build(), computed once per positions tensor and key and then shared by every layer of a forward

@@ -96,18 +96,23 @@ class Attention(nn.Module):
         qk = _rotate(qk, positions, meta, rotary)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         rows = select.rows(layer_idx, q, k, v, meta) if select is not None else None  # sees the stale K/V
-        pool.write(layer_idx, meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
+        # A hybrid model's pool keeps full-attention and window layers apart, each with block ids of its own:
+        # the layer's pool, its index there and the step in its ids.
+        layer_pool, index, layer_meta = pool.route(layer_idx, meta)
+        layer_pool.write(index, layer_meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
         if rows is not None:
             q, positions, meta = q[rows], positions[rows], meta.subset(rows)
+            layer_pool, index, layer_meta = pool.route(layer_idx, meta)
         t = q.shape[0]
         kernel = self.backend.attention
-        if kernel is not None and kernel.takes(q, pool):
-            plan = meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
-                meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size, pool.num_blocks))
-            out = kernel(q, plan, pool, layer_idx, self.scale, self.sliding_window)
+        if kernel is not None and kernel.takes(q, layer_pool):
+            plan = layer_meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
+                layer_meta.query_start, layer_meta.block_tables, layer_meta.context_lens, positions,
+                layer_pool.block_size, layer_pool.num_blocks))
+            out = kernel(q, plan, layer_pool, index, self.scale, self.sliding_window)
         else:
-            masks = meta.sequence_masks(positions, self.sliding_window, q.dtype)
-            out = paged_attention(q, meta, masks, pool, layer_idx, self.scale)
+            masks = layer_meta.sequence_masks(positions, self.sliding_window, q.dtype)
+            out = paged_attention(q, layer_meta, masks, layer_pool, index, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), rows, positions, meta
 
 

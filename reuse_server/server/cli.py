@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exact number of KV blocks in the pool; overrides --kv-cache-memory (default: sized by it)")
     serve.add_argument("--kv-cache-memory", type=parse_size, default="1GiB",
                        help="memory for the KV pool: e.g. 1GiB, 512MiB, or plain bytes (default: 1GiB)")
+    serve.add_argument("--window-kv-share", type=float, default=defaults.window_kv_share,
+                       help="hybrid models (Gemma 3): keep the sliding-window layers' KV in a pool of its own, with "
+                            "room for this share of the blocks (only the last window of each sequence, and cached "
+                            "windows, need it); 0 keeps every layer of every block in one pool (default: "
+                            f"{defaults.window_kv_share})")
+    serve.add_argument("--num-window-blocks", type=positive_int, default=None,
+                       help="hybrid models: exact number of blocks in the window layers' pool (overrides the share)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs,
                        help="most sequences running at once")
     serve.add_argument("--max-num-batched-tokens", type=positive_int, default=defaults.max_num_batched_tokens,
@@ -344,7 +351,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
         cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory=args.kv_cache_memory, window_kv_share=args.window_kv_share or None,
+        num_window_blocks=args.num_window_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         dedup_prefill=not args.no_prefill_dedup,

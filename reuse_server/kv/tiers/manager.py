@@ -86,7 +86,9 @@ class KVTiers:
         """Copy the blocks' KV out of the pool now (their ids may be handed out right after) and give it to
         the tiers that lack it. From a CUDA pool the copy into host memory goes on while the engine runs its
         next step; whoever reads the bytes waits for it (BlockEntry.payload)."""
-        records = [r for r in records if any(t.contains(r.hash) is not True for t in targets)]
+        # a hybrid pool's block whose window part was dropped is not whole: its KV is not a tier's to keep
+        records = [r for r in records if self.pool.exportable(r.block_id)
+                   and any(t.contains(r.hash) is not True for t in targets)]
         if not records:
             return
         kv, copied = self.pool.export_blocks_async([r.block_id for r in records], self.dtype)
