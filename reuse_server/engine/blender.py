@@ -140,10 +140,16 @@ class Blender:
         for start, n in self._spans_ending_after(seq, seq.num_computed):
             hit = self.index.lookup(seq.prompt_ids[start:start + n], seq.namespace)
             skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
-            if hit is not None and hit.num_tokens > skip:
+            if hit is not None and hit.num_tokens > skip and self._whole(hit.block_ids):
                 self.index.hold(hit)
                 reuses.append(Reuse(start, hit, skip))
         return reuses
+
+    def _whole(self, block_ids: list[int]) -> bool:
+        """Whether these blocks hold every layer's KV: on a hybrid pool, a block whose window part is gone
+        (out of its sequence's window, or evicted) has none of its window layers' KV to reuse or register."""
+        window = self.blocks.window
+        return window is None or all(window.has(b) for b in block_ids)
 
     def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
         bs = self.block_size
@@ -223,6 +229,8 @@ class Blender:
             # an alone copy serves every lookup (it is preferred); an in-context one only where none exists
             if self.index.contains(tokens, seq.namespace, True if alone else None):
                 present += n
+                continue
+            if not self._whole(seq.block_table[start // self.block_size:-(-(start + n) // self.block_size)]):
                 continue
             src = self._slots(seq.block_table, range(start, start + n))
             pos = torch.arange(n)

@@ -199,6 +199,8 @@ class BlockManager:
             partial = None  # its window layers' KV is gone: the copy would lack it
         if partial is not None:
             self.cache.lock(partial.node)  # allocating must not evict it before the copy
+            if self.window is not None:
+                self.window.pin([partial.block_id])  # nor its window part
             kv.num_computed += partial.num_tokens
         return partial
 
@@ -237,6 +239,8 @@ class BlockManager:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
                 self.copy_blocks([partial.block_id], [kv.block_table[kv.num_published]])
             self.cache.unlock(partial.node)
+            if self.window is not None:
+                self.window.unpin([partial.block_id])
         if not admitted:
             self.release(seq)
             return False
