@@ -149,6 +149,10 @@ def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPoo
         least = config.max_num_seqs * (-(-window // bs) + 1) + -(-config.max_num_batched_tokens // bs) + 1
         if num_window < least and not config.num_window_blocks:
             num_window = least
+        one = -(-window // bs) + 1 + -(-config.max_num_batched_tokens // bs) + 1  # one sequence's window and slice
+        if num_window - 1 < one:
+            raise ValueError(f"{num_window} window blocks cannot hold one sequence's window ({window} tokens) and "
+                             f"a slice of {config.max_num_batched_tokens} tokens: give at least {one + 1}")
         if num_blocks < 2:
             raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
         return LayeredKVPool(windows, num_blocks, num_window, bs, heads, hd, kv_dtype, config.device,

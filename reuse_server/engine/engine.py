@@ -295,14 +295,22 @@ class LLMEngine:
             owned_tokens += max(0, pool.num_computed - pool.num_published * bs) + len(pool.filled) * bs
         per_block = self.pool.layout.nbytes
         held = stats.cached_tokens + owned_tokens
+        used = stats.total_blocks - stats.free_blocks
+        if self.pool.layered:  # every used block's full-attention layers, and the window parts held
+            window = self.pool.parts.stats()
+            held_bytes = (used * self.pool.full.layout.nbytes + (window["window_blocks_pinned"]
+                          + window["window_blocks_cached"]) * self.pool.windowed.layout.nbytes)
+        else:
+            window, held_bytes = {}, used * per_block
         return dict(
             kv_dtype=str(self.pool.dtype).removeprefix("torch."), block_size=bs, bytes_per_block=per_block,
             pool_bytes=self.pool.nbytes, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
             cached_blocks=stats.cached_blocks, cached_tokens=stats.cached_tokens,
             sequence_blocks=owned_blocks, sequence_tokens=owned_tokens, held_tokens=held,
             empty_slots=(stats.cached_blocks + owned_blocks) * bs - held,
+            held_bytes=held_bytes,  # the KV bytes the used blocks take
             # a hybrid model's window layers, in a pool of their own: parts running requests pin, cached, free
-            **(self.pool.parts.stats() if self.pool.layered else {}),
+            **window,
         )
 
     def close(self, timeout: float = 10.0) -> bool:

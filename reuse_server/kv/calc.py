@@ -173,8 +173,8 @@ def _allocation_lines(r: dict) -> list[str]:
                      f"{ideal['max_concurrency']:,}")
     if everyone != headline:
         limit = everyone["max_context_by_memory"]
-        lines.append(f"  a pool with one block table for all layers keeps out-of-window blocks (as this server's "
-                     f"does): {_bytes(everyone['per_sequence_bytes'])} per sequence, max concurrency "
+        lines.append(f"  a pool with one block table for all layers keeps out-of-window blocks (this server's "
+                     f"with --window-kv-share 0): {_bytes(everyone['per_sequence_bytes'])} per sequence, max concurrency "
                      f"{everyone['max_concurrency']:,}, max context by memory "
                      f"{'unbounded' if limit is None else f'{limit:,} tokens'}")
     return lines

@@ -66,14 +66,26 @@ def test_a_prompt_longer_than_the_window_pool_is_served_as_by_one_pool(cold, tex
     parts = engine.pool.parts
     peak = []
 
+    held, cold_held = [], []
+
     def watch(eng):
         parts.check_invariants()
         peak.append(parts.stats()["window_blocks_pinned"])
+        held.append(eng.snapshot()["memory"]["held_bytes"])
 
     got = run_to_end(engine, [("r", prompt)], max_tokens=8, after_each_step=watch)["r"]
-    _same_answer(got, run_to_end(cold, [("r", prompt)], max_tokens=8)["r"])
+    want = run_to_end(cold, [("r", prompt)], max_tokens=8,
+                      after_each_step=lambda eng: cold_held.append(eng.snapshot()["memory"]["held_bytes"]))["r"]
+    _same_answer(got, want)
     # a window's blocks, the block a query sits in and one slice's blocks: never the whole prompt's
-    assert max(peak) <= -(-WINDOW // BLOCK_SIZE) + 2 + SLICE // BLOCK_SIZE < len(prompt) // BLOCK_SIZE
+    bound = -(-WINDOW // BLOCK_SIZE) + 2 + SLICE // BLOCK_SIZE
+    assert max(peak) <= bound < len(prompt) // BLOCK_SIZE
+    # the KV held: every block's 3 full-attention layers, the 15 window layers only for parts held (pinned,
+    # or cached from earlier in the prompt); one pool holds all 18 layers for every block
+    blocks = -(-(len(prompt) + 8) // BLOCK_SIZE)
+    full, window = engine.pool.full.layout.nbytes, engine.pool.windowed.layout.nbytes
+    assert max(held) <= blocks * full + (WINDOW_BLOCKS - 1) * window
+    assert max(cold_held) >= len(prompt) // BLOCK_SIZE * (full + window)
     memory = engine.snapshot()["memory"]
     assert memory["window_blocks_pinned"] == 0 and engine.snapshot()["in_use_blocks"] == 0
     # the last window of the finished request stays cached for its next turn; older parts were given back
