@@ -156,12 +156,13 @@ def main() -> None:
                          "the passage precomputed right after it that comes first, are then exact hits); full "
                          "prefill never does. --no-prefix-cache measures blending alone")
     ap.add_argument("--weight-dtype", default="auto", help="how the engine holds its weights (--weight-dtype)")
+    ap.add_argument("--model", default=None, help="the server's --model (default: the bundled SmolLM2)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not DOCS.exists():
         raise SystemExit(f"needs {DOCS} (the shared data folder beside the repository)")
     torch.manual_seed(0)
-    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype,
+    engine = build_engine(EngineConfig(model=args.model, weight_dtype=args.weight_dtype,
         max_num_batched_tokens=8192, kv_cache_memory=2 << 30, enable_blend=False,
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),
@@ -227,7 +228,7 @@ def main() -> None:
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
                           first_tokens=args.first_tokens, query_weight=args.query_weight, key_shift=args.key_shift,
                           precompute_after_template=args.precompute_after_template, fill=args.fill,
-                          prefix_cache=args.prefix_cache)))
+                          prefix_cache=args.prefix_cache, model=args.model or "smollm2")))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

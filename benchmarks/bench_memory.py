@@ -110,11 +110,12 @@ IMPORT_STEPS = [
     ("fastapi, uvicorn, pydantic", "import fastapi, uvicorn, pydantic"),
     ("prometheus_client", "import prometheus_client"),
     ("jinja2", "import jinja2"),
-    ("redis, zmq, msgpack (KV tiers, events)", "import redis, zmq, msgpack"),
     ("the server's modules (api, engine)", "import reuse_server.api.app, reuse_server.engine.async_engine, "
-                                           "reuse_server.server.serving"),
-    ("gguf, safetensors (loading)", "import gguf, safetensors.torch"),
-    ("transformers (tokenizer class)", "from transformers import TokenizersBackend, AutoTokenizer"),
+                                           "reuse_server.server.serving, reuse_server.server.cli"),
+    ("safetensors (loading)", "import safetensors.torch"),
+    # model/quant_linear.choose_cpu_kernel times the candidate kernels on weights quantized with gguf's quantizer
+    ("gguf (the start-up choice of quantized kernel)", "import gguf"),
+    ("tokenizers", "import tokenizers"),
     # what loading freed goes back to the system, as the server's start-up ends (engine/builder.py)
     ("tokenizer", "from reuse_server.model.loader import load_tokenizer, resolve_model; "
                   "from reuse_server.engine.builder import _return_freed_memory; "
@@ -123,10 +124,16 @@ IMPORT_STEPS = [
 ]
 # Not on the idle server's path, measured after the steps above for what they would cost.
 OFF_PATH_STEPS = [
+    ("redis, zmq, msgpack (KV tiers, KV events: only when configured)", "import redis, zmq, msgpack"),
+    ("httpx (the cluster command's client)", "import httpx"),
     ("xgrammar (first structured-output request)", "import xgrammar"),
+    ("transformers' tokenizer (xgrammar reads it: first structured-output request)",
+     "getattr(tok, 'transformers_tokenizer', lambda: tok)(); _return_freed_memory()"),
     ("transformers model configs (AutoConfig of a llama)", "import transformers.models.llama.configuration_llama"),
     ("torch._dynamo (torch.compile; meta-device reference ops)", "import torch._dynamo"),
 ]
+# the last step before the tokenizer: what the interpreter holds with every module a server imports
+RUNTIME_STEP = "tokenizers"
 
 
 def measure_imports(model: str, weight_dtype: str) -> list[dict]:
@@ -222,7 +229,7 @@ def emit_split(imports: list[dict], maps: dict[str, int], rollup: dict[str, int]
     emit(bench="memory_maps", **{name: mib(size) for name, size in sorted(maps.items(), key=lambda kv: -kv[1])
                                  if size >= 1 << 20}, uss=mib(rollup["uss"]), pss=mib(rollup["pss"]))
     by_step = {row["step"]: row["rss"] for row in imports}
-    runtime = by_step["transformers (tokenizer class)"]
+    runtime = by_step[RUNTIME_STEP]
     tokenizer = by_step["tokenizer"] - runtime
     kernels = by_step["native kernels"] - by_step["tokenizer"]
     rest = idle - runtime - tokenizer - kernels - weights - pool

@@ -10,6 +10,9 @@ lowered accuracy, so only keys are shifted.
 
 The shift is estimated once per model (`KeyShiftEstimate`, fed by a calibration pass over plain prose) and
 added to the keys of every chunk reused from its alone form, at the chunk's new positions (`KeyShift.apply_`).
+Everything here takes the model's inverse frequencies as blend/rope.py does: one [d/2] vector for every layer, or a
+[layers, d/2] table whose row i is layer i's (Gemma 3 un-rotates and rotates its sliding layers with base 10k, its
+global ones with 1M).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blend.rope import _rotate, apply_rope, rerope_layers_, rotation_angles, rotation_cos_sin
+from blend.rope import _rotate, apply_rope, layer_inv_freq, per_layer_cos_sin, rerope_layers_
 
 
 def unrope(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -32,7 +35,8 @@ class KeyShift:
     def apply_(self, k_caches: list[torch.Tensor] | tuple[torch.Tensor, ...], slots: torch.Tensor,
                positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
         """Add the shift, rotated to `positions` [N], to the keys at `slots` [N] of every layer's paged pool
-        ([num_blocks, block_size, kv_heads, head_dim] each). Slots must be distinct."""
+        ([num_blocks, block_size, kv_heads, head_dim] each). Slots must be distinct. inv_freq: [d/2] or
+        [layers, d/2] (each layer rotated with its own)."""
         if len(k_caches) != self.k.shape[0]:
             raise ValueError(f"the shift has {self.k.shape[0]} layers, the pool {len(k_caches)}")
         if slots.numel() == 0:
@@ -40,10 +44,10 @@ class KeyShift:
         device = k_caches[0].device
         idx = slots.to(device=device, dtype=torch.int64)
         pos = positions.to(device=device, dtype=torch.int64)
-        # the rotation to each position, once for all layers (from 0: the model's own fp32 angles)
-        cos_sin = rotation_cos_sin(rotation_angles(torch.zeros_like(pos), pos, inv_freq.to(device)))
+        # the rotation to each position, once per distinct RoPE (from 0: the model's own fp32 angles)
+        cos_sins = per_layer_cos_sin(torch.zeros_like(pos), pos, inv_freq.to(device), len(k_caches))
         shift = self.k.to(device)
-        for layer, k_cache in enumerate(k_caches):
+        for layer, (k_cache, cos_sin) in enumerate(zip(k_caches, cos_sins)):
             _, _, kv_heads, hd = k_cache.shape
             rotated = _rotate(shift[layer].expand(len(idx), kv_heads, hd), cos_sin=cos_sin)
             k_cache.view(-1, kv_heads, hd).index_add_(0, idx, rotated.to(k_cache.dtype))
@@ -62,7 +66,7 @@ class KeyShiftEstimate:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, inv_freq: torch.Tensor) -> None:
         self.sum = torch.zeros(num_layers, kv_heads, head_dim, dtype=torch.float64)
         self.tokens = 0
-        self.inv_freq = inv_freq.float().cpu()
+        self.inv_freq = layer_inv_freq(inv_freq.float().cpu(), num_layers)  # [layers, d/2]
 
     def add(self, in_context: list[torch.Tensor], context_pos: torch.Tensor,
             alone: list[torch.Tensor], alone_pos: torch.Tensor) -> None:
@@ -71,7 +75,8 @@ class KeyShiftEstimate:
         if len(in_context) != self.sum.shape[0] or len(alone) != self.sum.shape[0]:
             raise ValueError("one key tensor per layer is needed")
         for layer, (k_ctx, k_alone) in enumerate(zip(in_context, alone)):
-            diff = unrope(k_ctx.cpu(), context_pos.cpu(), self.inv_freq) - unrope(k_alone.cpu(), alone_pos.cpu(), self.inv_freq)
+            f = self.inv_freq[layer]
+            diff = unrope(k_ctx.cpu(), context_pos.cpu(), f) - unrope(k_alone.cpu(), alone_pos.cpu(), f)
             self.sum[layer] += diff.double().sum(0)
         self.tokens += len(context_pos)
 
@@ -85,7 +90,8 @@ def moved_keys(old_positions: torch.Tensor, new_positions: torch.Tensor, inv_fre
                shift: KeyShift | None = None):
     """The key edit a reused chunk needs where it now sits, as the KV pool's `update_keys` takes it
     (`change(k_caches, slots)`): re-rotate from old_positions to new_positions and, with a shift, add it at
-    new_positions, in one pass, so an 8-bit pool requantizes the moved keys once for both."""
+    new_positions, in one pass, so an 8-bit pool requantizes the moved keys once for both. inv_freq: [d/2] for
+    every layer or [layers, d/2], each layer's own."""
     def change(k_caches, slots: torch.Tensor) -> None:
         rerope_layers_(k_caches, slots, old_positions, new_positions, inv_freq)
         if shift is not None:

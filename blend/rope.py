@@ -20,6 +20,12 @@ is by the exact (q-p)*f in float64; that is what ``rerope_dense`` with only a de
 Measured against transformers (positions < 32k, fp32, |k| <= 5): max abs error ~1e-6
 matched, ~5e-3 exact-delta; fp16/bf16 pools: within ~2 eps*|k| (two roundings).
 
+Per-layer bases. A model's layers need not share one RoPE: Gemma 3's sliding layers rotate
+with base 10k, its global ones with 1M. The functions that act on every layer's pool
+(:func:`rerope_layers_`, and blend/key_shift.py) take either one inv_freq [d/2] for every
+layer or a table [layers, d/2] whose row i is layer i's; rotating a layer's keys by another
+layer's frequencies would put them at the wrong position.
+
 Slots passed to the paged functions must be distinct (a slot listed twice would be
 rotated twice by the Triton kernel).
 """
@@ -65,6 +71,35 @@ def rotation_angles(
         return a_new - a_old
     delta = (new_pos.to(torch.int64) - old_pos.to(torch.int64)).to(torch.float64)
     return delta[:, None] * f32.to(torch.float64)[None, :]
+
+
+def layer_inv_freq(inv_freq: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """inv_freq as a [num_layers, d/2] table: a [d/2] vector serves every layer, a table is checked."""
+    if inv_freq.dim() == 1:
+        return inv_freq.expand(num_layers, -1)
+    if inv_freq.dim() != 2 or inv_freq.shape[0] != num_layers:
+        raise ValueError(f"inv_freq must be [d/2] or [{num_layers} layers, d/2], got {tuple(inv_freq.shape)}")
+    return inv_freq
+
+
+def per_layer_cos_sin(
+    old_pos: torch.Tensor,
+    new_pos: torch.Tensor,
+    inv_freq: torch.Tensor,
+    num_layers: int,
+    *,
+    match_fp32_angles: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's :func:`rotation_cos_sin` from old_pos to new_pos, computed once per distinct row of the
+    inv_freq table (once for a [d/2] vector; twice on Gemma 3), the layers sharing a row sharing it."""
+    def cos_sin(f: torch.Tensor):
+        return rotation_cos_sin(rotation_angles(old_pos, new_pos, f, match_fp32_angles=match_fp32_angles))
+
+    if inv_freq.dim() == 1:
+        return [cos_sin(inv_freq)] * num_layers
+    distinct, row_of_layer = torch.unique(layer_inv_freq(inv_freq, num_layers), dim=0, return_inverse=True)
+    computed = [cos_sin(f) for f in distinct]
+    return [computed[i] for i in row_of_layer.tolist()]
 
 
 def rotation_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,26 +237,29 @@ def rerope_layers_(
     match_fp32_angles: bool = True,
 ) -> None:
     """:func:`rerope_` on the same slots of every layer's pool (a reused chunk is moved in
-    all layers at once). The torch path computes cos/sin once for all layers."""
+    all layers at once). inv_freq: [hd/2] for every layer, or [layers, hd/2], row i being
+    layer i's (per-layer RoPE bases, see the module's docstring). The torch path computes
+    cos/sin once per distinct row for all the layers that share it."""
     if not k_caches:
         return
+    table = layer_inv_freq(inv_freq, len(k_caches))
     if backend == "auto":
         backend = "triton" if k_caches[0].is_cuda and triton_available() else "torch"
     if backend == "triton":
         from blend.rope_triton import rerope_triton_
 
-        for k_cache in k_caches:
-            rerope_triton_(k_cache, slots, old_pos, new_pos, inv_freq, match_fp32_angles=match_fp32_angles)
+        for k_cache, layer_freq in zip(k_caches, table):
+            rerope_triton_(k_cache, slots, old_pos, new_pos, layer_freq, match_fp32_angles=match_fp32_angles)
         return
     if backend != "torch":
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    for k_cache in k_caches:
-        check_paged_args(k_cache, slots, old_pos, new_pos, inv_freq)
+    for k_cache, layer_freq in zip(k_caches, table):
+        check_paged_args(k_cache, slots, old_pos, new_pos, layer_freq)
     if slots.numel() == 0:
         return
     idx = slots.to(torch.int64)
-    cos_sin = rotation_cos_sin(rotation_angles(old_pos, new_pos, inv_freq, match_fp32_angles=match_fp32_angles))
-    for k_cache in k_caches:
+    cos_sins = per_layer_cos_sin(old_pos, new_pos, inv_freq, len(k_caches), match_fp32_angles=match_fp32_angles)
+    for k_cache, cos_sin in zip(k_caches, cos_sins):
         _, _, kvh, hd = k_cache.shape
         flat = k_cache.view(-1, kvh, hd)
         flat.index_copy_(0, idx, _rotate(flat.index_select(0, idx), cos_sin=cos_sin))

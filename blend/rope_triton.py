@@ -5,7 +5,9 @@ BLOCK_T tokens x all kv heads; the rotation angle of pair i is fl32(q*f_i) - fl3
 (the model's own float32 angle rounding, see blend/rope.py), the subtraction and the
 reduction to [-pi, pi) are done in float64, then cos/sin and the rotation in float32.
 Importing this module imports triton; ``TRITON_INTERPRET=1`` must be in the environment
-before that import to run the kernel on CPU tensors (the interpreter).
+before that import to run the kernel on CPU tensors (the interpreter). One call moves one
+layer's pool with that layer's inv_freq; :func:`blend.rope.rerope_layers_` hands each layer its
+own row of a per-layer table (Gemma 3's sliding and global layers differ).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def rerope_triton_(
     *,
     match_fp32_angles: bool = True,
 ) -> None:
-    """Triton implementation of :func:`blend.rope.rerope_` (same arguments, in place)."""
+    """Triton implementation of :func:`blend.rope.rerope_` (same arguments, in place; inv_freq [hd/2] is
+    this layer's)."""
     check_paged_args(k_cache, slots, old_pos, new_pos, inv_freq)
     n = slots.shape[0]
     if n == 0:

@@ -2,8 +2,10 @@
 only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
 - admit: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the chunk
   index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
-  (re-RoPE from positions 0..n-1 to where the chunk now sits; chunks cached alone that other text now
-  precedes also get the model's key shift, blend/key_shift.py) and open a BlendJob;
+  (re-RoPE from positions 0..n-1 to where the chunk now sits, each layer with its own RoPE: Gemma 3's sliding
+  layers with base 10k, its global ones with 1M; chunks cached alone that other text now precedes also get the
+  model's key shift, blend/key_shift.py) and open a BlendJob. A sliding layer's moved keys are rotated like
+  any other's; the layer then attends only to those within its window of each query, as a full prefill does;
 - run: the prompt is prefilled in slices like any other, batched with other work in the runner's one
   forward; for each slice the Blender gives a SliceSelection, which only chooses rows: every token not
   reused is always computed; reused tokens are computed up to the first check layer, where the deviation
@@ -32,6 +34,12 @@ from reuse_server.model.llama import RowSelection
 from reuse_server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+def layer_inv_freq(model) -> torch.Tensor:
+    """[layers, head_dim/2]: row i is the inverse frequencies layer i's keys are stored with (its
+    `LlamaModel.layer_rotary`), which is what re-RoPE and the key shift must rotate that layer's keys by."""
+    return torch.stack([model.layer_rotary(i).inv_freq for i in range(model.config.num_layers)])
 
 
 @dataclass
@@ -79,6 +87,7 @@ class Blender:
     def __init__(self, pool: KVPool, blocks: BlockManager, index: ChunkIndex, settings: BlendSettings,
                  num_layers: int, inv_freq: torch.Tensor, attention_scale: float,
                  key_shift: KeyShift | None = None) -> None:
+        """inv_freq: [layers, head_dim/2] (`layer_inv_freq(model)`), or [head_dim/2] when every layer shares one."""
         self.pool = pool
         self.blocks = blocks
         self.index = index

@@ -10,13 +10,14 @@ import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from blend.chunk_index import ChunkIndex
 from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
-from reuse_server.engine.blender import Blender, BlendSettings
+from reuse_server.engine.blender import Blender, BlendSettings, layer_inv_freq
 from reuse_server.engine.config import EngineConfig, resolve_dtype
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
@@ -30,8 +31,10 @@ from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.engine.runner import ModelRunner
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.scheduler import Scheduler
-from reuse_server.kv.events import KVEvents
-from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
+
+if TYPE_CHECKING:  # imported where configured: redis (tiers) and zmq (events) stay out of a plain server
+    from reuse_server.kv.events import KVEvents
+    from reuse_server.kv.tiers import KVTiers
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
     pool = build_pool(config, mc, kv_dtype, dtype)
     num_blocks = pool.num_blocks
     tiers = build_tiers(config, pool, identity)
-    events = KVEvents(config.kv_events, bs, config.kv_events_replay) if config.kv_events else None
+    events = None
+    if config.kv_events:
+        from reuse_server.kv.events import KVEvents
+
+        events = KVEvents(config.kv_events, bs, config.kv_events_replay)
     listeners = Listeners(tiers, events)
     cache = RadixCache(num_blocks, bs, hash_algo=config.hash_algo, identity=identity.identity,
                        policy=config.eviction_policy, listener=listeners)
@@ -104,7 +111,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
         query_weight=config.blend_query_weight)
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
-    blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, model.rotary.inv_freq, mc.head_dim ** -0.5,
+    blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,
                       key_shift)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     eos_ids = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
@@ -170,6 +177,8 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     """The tiers the config asks for below the pool (None: none)."""
     if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
         return None
+    from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
+
     tier_dtype = None if config.tier_kv_dtype == "auto" else kv_quant.storage_dtype(config.tier_kv_dtype)
     layout = pool.layout_for(tier_dtype)
     # A copy in another dtype than the pool's is another block: its files and keys live apart

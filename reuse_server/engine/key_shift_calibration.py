@@ -22,13 +22,14 @@ from blend.chunking import chat_opening, encode
 from blend.key_shift import KeyShift, KeyShiftEstimate
 from safetensors.torch import load_file, save_file
 
+from reuse_server.engine.blender import layer_inv_freq
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
 from reuse_server.model.gguf_convert import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: each layer un-rotated with its own RoPE base (version 1's Gemma 3 shifts were wrong)
 PASSAGES_PER_CHAT = 4
 BLOCK_SIZE = 16
 
@@ -60,7 +61,7 @@ def _keys(model, ids: list[int], dtype: torch.dtype, device) -> list[torch.Tenso
 def calibrate(model, tokenizer, dtype: torch.dtype, device, paragraphs=PARAGRAPHS) -> KeyShift:
     cfg = model.config
     opening, chats = calibration_chats(tokenizer, paragraphs)
-    estimate = KeyShiftEstimate(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.rotary.inv_freq)
+    estimate = KeyShiftEstimate(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layer_inv_freq(model))
     alone_cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for passages in chats:
         while len(passages) > 2 and len(opening) + sum(map(len, passages)) > cfg.max_position_embeddings:

@@ -72,7 +72,9 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                # xgrammar reads transformers' tokenizer; the server's own (model/tokenizer.py) loads it now
+                hf = getattr(self._tokenizer, "transformers_tokenizer", None)
+                info = xgr.TokenizerInfo.from_huggingface(hf() if hf else self._tokenizer, vocab_size=self._vocab_size,
                                                           stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                      cache_limit_bytes=GRAMMAR_CACHE_BYTES)

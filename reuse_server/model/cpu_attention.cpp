@@ -104,6 +104,7 @@ constexpr int MAX_ROWS = 64;           // query rows per unit (4 vectors)
 constexpr int PAD_ROWS = MAX_ROWS + 24;  // the PV tiles may run past the last row
 constexpr int MAX_HEAD_DIM = 128;
 constexpr int64_t MIN_SPLIT_KEYS = 512;
+constexpr int64_t SERIAL_ROW_KEYS = 8192;  // query rows x keys below which one thread runs a call
 
 struct Unit {
     int64_t seq, head, row0, rows, key_begin, key_end;
@@ -391,8 +392,15 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
         if (units[tasks[t].unit].num_tasks > 1) partial_slot[t] = num_partials++;
     std::vector<float> part_o(num_partials * PAD_ROWS * head_dim), part_m(num_partials * MAX_ROWS),
         part_l(num_partials * MAX_ROWS);
+    // The tasks above are planned for num_threads whatever runs them (the plan decides the sums, so the result
+    // does not depend on how busy the CPU is); a problem as small as a short decode step runs them on the
+    // calling thread, where handing them to another thread and waiting for it cost more than the work
+    // (BENCHMARKS.md, "Decode: where a step's time goes").
+    int64_t row_keys = 0;
+    for (const Unit& u : units) row_keys += u.rows * (u.key_end - u.key_begin);
+    const int run_threads = row_keys < SERIAL_ROW_KEYS ? 1 : (int)num_threads;
 
-#pragma omp parallel num_threads((int)num_threads)
+#pragma omp parallel num_threads(run_threads)
     {
         std::vector<float> own_o(PAD_ROWS * head_dim);
         alignas(64) float own_m[MAX_ROWS], own_l[MAX_ROWS];

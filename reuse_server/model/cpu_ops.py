@@ -1,5 +1,6 @@
-"""RMSNorm and the MLP's SiLU gating through the C++ kernels (cpu_ops.cpp), fp32 on the CPU: one pass each
-instead of torch's six and two ops (a warm request's 17 rows: ~50 us -> a few us a call)."""
+"""RMSNorm, the MLP's SiLU gating and RoPE through the C++ kernels (cpu_ops.cpp), fp32 on the CPU: one pass each
+instead of torch's six, two and five ops (a warm request's 17 rows: ~50 us -> a few us a call; RoPE of one
+decode token: ~25 us -> ~1 us, bit for bit torch's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class NativeOps:
     def __init__(self, library: ctypes.CDLL):
         self._rms_norm = library.kv_rms_norm_f32
         self._silu_mul = library.kv_silu_mul_f32
+        self._rope = library.kv_rope_f32
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -32,6 +34,20 @@ class NativeOps:
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """rope.apply_rotary(x, cos, sin) for x [T, heads, head_dim] (heads contiguous within a token; the
+        token stride may be wider) and cos/sin [T, head_dim]; None where the kernel does not take them."""
+        if not (x.dtype == cos.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3
+                and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+                and cos.shape == sin.shape == (x.shape[0], x.shape[2])):
+            return None
+        out = torch.empty(x.shape, dtype=torch.float32)
+        if self._rope(x.data_ptr(), x.shape[0], x.shape[1], x.shape[2], x.stride(0), cos.data_ptr(),
+                      sin.data_ptr(), out.data_ptr()) != 0:
+            return None
         return out
 
 

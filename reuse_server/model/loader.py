@@ -231,7 +231,21 @@ def _hold_quantized(model: LlamaModel, name: str, weight: QuantizedWeight, dtype
 
 
 def load_tokenizer(path: Path):
-    """The transformers tokenizer of an HF folder (with its chat template, if it has one)."""
+    """The tokenizer of an HF folder (with its chat template, if it has one): for a folder converted from a
+    GGUF, its tokenizer.json through the `tokenizers` library (model/tokenizer.py: transformers stays out of
+    the server), else transformers' tokenizer."""
+    from .tokenizer import ServedTokenizer, readable
+
+    if readable(Path(path)):
+        try:
+            return ServedTokenizer.from_folder(Path(path))
+        except Exception as e:
+            raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+    return load_transformers_tokenizer(path)
+
+
+def load_transformers_tokenizer(path: Path):
+    """transformers' tokenizer of an HF folder."""
     try:
         if _declares_its_own_class(Path(path)):
             from transformers import TokenizersBackend

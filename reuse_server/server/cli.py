@@ -421,7 +421,8 @@ def serve(args: argparse.Namespace) -> int:
                               int(args.response_store_ttl), args.redis_timeout or 2.0)
     app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout,
                                                      responses=responses))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    # ws="none": no route takes a WebSocket, and uvicorn would otherwise import the websockets library
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="none")
     DrainingServer(config, engine, args.shutdown_timeout).run()
     return 0
 

@@ -40,8 +40,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from reuse_server.server.launcher import ServerStartError, free_port, own_session, redis_process, served
 
 ROUTERS = ("smg", "vllm-router")
@@ -131,6 +129,10 @@ def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127
 
 def kv_event_flags(worker_urls: list[str]) -> list[str]:
     """vllm-router's flags for routing by the workers' KV events, from what each says at /server_info."""
+    # imported here, not at the top: `reuse-server serve` imports this module for its flags, and httpx
+    # brings rich, click and pygments (its command line) with it
+    import httpx
+
     flags, block_sizes, models = [], set(), set()
     for url in worker_urls:
         info = httpx.get(url + "/server_info", timeout=10).json()
@@ -148,6 +150,8 @@ def kv_event_flags(worker_urls: list[str]) -> list[str]:
 
 
 def wait_for_workers(url: str, proc: subprocess.Popen, count: int, timeout: float, log_path: Path) -> None:
+    import httpx  # here, not at the top: see kv_event_flags
+
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

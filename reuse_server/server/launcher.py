@@ -12,8 +12,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 
 def own_session() -> None:
     """In the child, before exec: a session of its own (the terminal's Ctrl+C does not reach it; its owner
@@ -69,6 +67,10 @@ def _tail(log_path: Path, chars: int = 3000) -> str:
 def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float, name: str = "server") -> None:
     """Returns once GET url/health answers 200; ServerStartError (with the log's tail) if the process exits
     first or timeout seconds pass."""
+    # imported here, not at the top: `reuse-server serve` imports this module for its flags, and httpx
+    # brings rich, click and pygments (its command line) with it
+    import httpx
+
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -54,6 +54,27 @@ def test_apply_adds_the_rotated_shift_to_the_given_slots_of_every_layer():
         assert torch.equal(flat[untouched], old[untouched])
 
 
+def test_a_per_layer_table_unrotates_and_rotates_each_layer_with_its_own_base():
+    """Gemma 3: the estimate un-rotates, and apply_ rotates, each layer with its own RoPE base."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.stack([default_inv_freq(HD, 10000.0), default_inv_freq(HD, 1000000.0), default_inv_freq(HD, 10000.0)])
+    planted = torch.randn(LAYERS, HEADS, HD, generator=g)
+    est = KeyShiftEstimate(LAYERS, HEADS, HD, table)
+    n = 12
+    alone_pos, ctx_pos = torch.arange(3, 3 + n), torch.arange(900, 900 + n)
+    raw = [torch.randn(n, HEADS, HD, generator=g) for _ in range(LAYERS)]
+    est.add([apply_rope(r + planted[i], ctx_pos, table[i]) for i, r in enumerate(raw)], ctx_pos,
+            [apply_rope(r, alone_pos, table[i]) for i, r in enumerate(raw)], alone_pos)
+    shift = est.result()
+    assert torch.allclose(shift.k, planted, atol=1e-4)
+    pools = [torch.zeros(6, 4, HEADS, HD) for _ in range(LAYERS)]
+    slots, positions = torch.tensor([21, 2, 9]), torch.tensor([700, 55, 30000])
+    shift.apply_(pools, slots, positions, table)
+    for layer in range(LAYERS):
+        added = unrope(pools[layer].view(-1, HEADS, HD)[slots], positions, table[layer])
+        assert torch.allclose(added, shift.k[layer].expand_as(added), atol=1e-4), layer
+
+
 def test_apply_keeps_the_pool_dtype():
     inv_freq = default_inv_freq(HD)
     shift = KeyShift(torch.ones(1, HEADS, HD))

@@ -155,6 +155,40 @@ def test_all_layers_at_once_equals_layer_by_layer():
     assert all(torch.equal(a, b) for a, b in zip(pools, snapshot))
 
 
+def test_each_layer_is_moved_with_its_own_row_of_a_table():
+    """Gemma 3: sliding layers rotate with base 10k, global ones with 1M; a [layers, d/2] table moves each
+    layer's keys with its own row, i.e. to the key transformers' RoPE of that base gives at the new position."""
+    kvh, hd, n = 2, 64, 50
+    thetas = [10000.0, 10000.0, 1000000.0, 10000.0]
+    rotaries = {t: LlamaRotaryEmbedding(_config(hd, t, False)) for t in set(thetas)}
+    table = torch.stack([rotaries[t].inv_freq for t in thetas])
+    k_pre = [torch.randn(n, kvh, hd) for _ in thetas]
+    slots = torch.randperm(12 * 16)[:n]
+    p, q = torch.randint(0, MAX_POS, (n,)), torch.randint(0, MAX_POS, (n,))
+    pools = [torch.zeros(12, 16, kvh, hd) for _ in thetas]
+    for pool, k, t in zip(pools, k_pre, thetas):
+        pool.view(-1, kvh, hd)[slots] = _hf_rope(k, p, rotaries[t])
+    rerope_layers_(pools, slots, p, q, table)
+    for pool, k, t in zip(pools, k_pre, thetas):
+        want = _hf_rope(k, q, rotaries[t])
+        assert (pool.view(-1, kvh, hd)[slots] - want).abs().max().item() < MATCHED_ATOL, t
+
+
+def test_a_table_of_one_repeated_row_gives_the_numbers_of_that_vector():
+    """A uniform model passes a table whose rows are equal: the same bits as one vector for every layer."""
+    kvh, hd, n, layers = 3, 64, 70, 5
+    inv_freq = default_inv_freq(hd, 500000.0)
+    pools = [torch.randn(12, 16, kvh, hd) for _ in range(layers)]
+    by_table = [x.clone() for x in pools]
+    slots = torch.randperm(12 * 16)[:n]
+    p, q = torch.randint(0, MAX_POS, (n,)), torch.randint(0, MAX_POS, (n,))
+    rerope_layers_(pools, slots, p, q, inv_freq)
+    rerope_layers_(by_table, slots, p, q, inv_freq.expand(layers, -1).clone())
+    assert all(torch.equal(a, b) for a, b in zip(pools, by_table))
+    with pytest.raises(ValueError, match="layers"):
+        rerope_layers_(pools, slots, p, q, inv_freq.expand(layers + 1, -1))
+
+
 def test_dense_matches_paged_and_transformers():
     cfg = _config(128, 500000.0, True)
     rotary = LlamaRotaryEmbedding(cfg)
@@ -234,6 +268,17 @@ _TRITON_SCRIPT = textwrap.dedent(
                 err = (a.float() - b.float()).abs().max().item()
                 assert err <= tol, (kvh, hd, dtype, match, err)
                 cases += 1
+    # every layer with its own row of a table (Gemma 3's two bases), as rerope_layers_ hands them out
+    from blend.rope import rerope_layers_
+    table = torch.stack([default_inv_freq(64, 10000.0), default_inv_freq(64, 1000000.0)] * 2)
+    pools = [torch.randn(8, 16, 2, 64, generator=g) for _ in range(4)]
+    slots = torch.randperm(128, generator=g)[:90]
+    old, new = torch.randint(0, 32768, (90,), generator=g), torch.randint(0, 32768, (90,), generator=g)
+    a, b = [x.clone() for x in pools], [x.clone() for x in pools]
+    rerope_layers_(a, slots, old, new, table, backend="torch")
+    rerope_layers_(b, slots, old, new, table, backend="triton")
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() <= 1e-5
     print("OK", cases)
     """
 )

@@ -1,6 +1,8 @@
 """Linear layers on packed weights (what the engine serves on the CPU: the native kernel, oneDNN) compute what
 F.linear does."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,21 @@ def test_native_norm_and_gating_equal_torch(rows):
     gate_up = torch.randn(rows, 2 * 130, generator=gen) * 6
     gate, up = gate_up.double().chunk(2, -1)
     assert torch.allclose(ops.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 130])
+def test_native_rope_is_torch_bit_for_bit(tokens):
+    """RoPE through the native op (what the forward runs on the CPU) gives apply_rotary's values exactly, on the
+    strided q/k view a packed q/k/v product leaves, so greedy decoding and prefix reuse are unchanged."""
+    from reuse_server.model import cpu_ops
+    from reuse_server.model.rope import apply_rotary
+
+    ops = cpu_ops.load()
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 15 * 64, generator=gen) * 4
+    qk = qkv[:, :12 * 64].view(tokens, 12, 64)  # token stride 960: the q/k part of a packed product
+    cos, sin = torch.randn(tokens, 64, generator=gen), torch.randn(tokens, 64, generator=gen)
+    out = ops.rope(qk, cos, sin)
+    if out is None and "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the native RoPE needs AVX-512 (torch's ops run instead)")
+    assert torch.equal(out.view(torch.int32), apply_rotary(qk, cos, sin).contiguous().view(torch.int32))

