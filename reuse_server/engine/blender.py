@@ -114,6 +114,14 @@ class Blender:
                                      f"check={s.check_layers};factors={s.gradual_factors};first={s.first_tokens};"
                                      f"query={s.query_weight:g};shift={self.key_shift is not None}")
 
+    def fits(self, seq: Sequence) -> bool:
+        """Whether seq's prompt can ever be blended here. Blending copies reused KV into blocks for the whole
+        prompt at once, and on a hybrid pool each of those blocks needs a window part until the prefill passes
+        it: a prompt with more blocks than the window layers' pool is computed exactly instead of waiting for
+        parts that can never be free together."""
+        window = self.blocks.window
+        return window is None or -(-seq.num_tokens // self.block_size) < window.num_window_blocks
+
     # ---- admit -----------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
         """Called right after the block manager admitted seq (its exact prefix matched): look its chunks up

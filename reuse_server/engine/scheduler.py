@@ -181,7 +181,8 @@ class Scheduler:
         return {key for seq in self.running if (key := self._block_in_flight(seq)) is not None}
 
     def blends(self, seq: Sequence) -> bool:
-        return self.blender is not None and (self.blend_default if seq.options.blend is None else seq.options.blend)
+        wanted = self.blend_default if seq.options.blend is None else seq.options.blend
+        return self.blender is not None and wanted and self.blender.fits(seq)
 
     def _admission_order(self) -> tuple[list[Sequence], dict[int, int]]:
         """The waiting sequences in admission order, and {id(seq): cached tokens} where that was looked up."""

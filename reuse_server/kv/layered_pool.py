@@ -41,6 +41,14 @@ class GroupedLayout:
         return GroupedLayout(self.full.with_dtype(dtype), self.window.with_dtype(dtype), self.full_layers,
                              self.window_layers)
 
+    def decode(self, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Block buffers -> K/V values [n, layers, 2, block_size, kv_heads, head_dim] in model layer order."""
+        split = self.full.nbytes
+        full, window = self.full.decode(data[:, :split], dtype), self.window.decode(data[:, split:], dtype)
+        out = full.new_empty(data.shape[0], len(self.full_layers) + len(self.window_layers), *full.shape[2:])
+        out[:, self.full_layers], out[:, self.window_layers] = full, window
+        return out
+
     def describe(self) -> dict:
         return {"groups": [dict(self.full.describe(), layers=self.full_layers),
                            dict(self.window.describe(), layers=self.window_layers)]}

@@ -13,7 +13,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from blend.key_shift import unrope
 from reuse_server.engine.blender import layer_inv_freq
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
-from test_engine_blend import BS, build_prompt, close, generate, make_engine, passages, precompute, seq_kv
+from test_engine_blend import BS, build_prompt, close, generate, passages, precompute, seq_kv
+from test_engine_blend import make_engine as make_any_engine
+
+
+def make_engine(path, **kw):
+    """The sliding layers' pool with a part for every block (blending holds parts for its whole prompt)."""
+    return make_any_engine(path, **{"window_kv_share": 1.0, **kw})
 from tiny_checkpoint import write_tiny_checkpoint
 
 WINDOW = 16
@@ -130,4 +136,24 @@ def test_a_blended_request_answers_and_counts_what_it_reused(checkpoint, ratio):
     assert out.recomputed_tokens == round(ratio * reused) and out.blended_tokens == reused - out.recomputed_tokens
     assert out.cached_tokens == out.blended_tokens  # no prefix hit in this order: the blended tokens were not computed
     assert engine.snapshot()["blended_tokens"] == out.blended_tokens
+    assert engine.cache.stats().in_use_blocks == 0
+
+
+def test_a_blended_prompt_longer_than_the_sliding_layers_pool_is_computed_exactly(checkpoint):
+    """Blending holds a window part for every block of its prompt until the prefill passes it; a prompt with
+    more blocks than the sliding layers' pool has parts is computed exactly (the cold answer), not parked
+    waiting for parts that can never be free together."""
+    engine = make_any_engine(checkpoint, num_window_blocks=16, max_num_batched_tokens=16)
+    full = make_engine(checkpoint, enable_blend=False)
+    assert engine.pool.layered
+    parts = passages(24, engine.vocab_size, sizes=(20, 20, 20))
+    for i, p in enumerate(parts):
+        precompute(engine, p, f"pre{i}")
+    ids, spans = build_prompt(parts[::-1], head=[3, 3], question=[7, 8, 9])
+    assert len(ids) // BS >= 16
+    got = generate(engine, "b", ids, spans, blend=True)
+    assert got[2].blended_tokens == 0 and got[2].recomputed_tokens == 0
+    ref = generate(full, "f", ids, spans, blend=False)
+    assert got[0] == ref[0]
+    close(got[1], ref[1], 1e-4)
     assert engine.cache.stats().in_use_blocks == 0
