@@ -126,3 +126,22 @@ def test_a_prefix_whose_window_parts_were_evicted_is_recomputed_to_the_cold_answ
     _same_answer(got, run_to_end(cold, [("a2", again)], max_tokens=8)["a2"])
     assert got[2].cached_tokens < len(first) - WINDOW
     engine.pool.parts.check_invariants()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3"])
+def test_an_8_bit_layered_pool_answers_as_one_8_bit_pool(texts, kv_dtype):
+    """Each of the two pools quantizes its own layers as one pool would (fp8: a scale per block and layer), so
+    a layered fp8 pool serves a conversation past the window, its second turn from the cache, with the tokens
+    and log-probabilities of one fp8 pool without a cache."""
+    layered = _engine(num_window_blocks=WINDOW_BLOCKS, kv_dtype=kv_dtype)
+    one = _engine(window_kv_share=None, enable_prefix_cache=False, kv_dtype=kv_dtype)
+    assert layered.pool.layered and layered.pool.windowed.dtype == one.pool.dtype
+    words = texts(7, 60)
+    first = words[:700]
+    got = run_to_end(layered, [("a", first)], max_tokens=6)["a"]
+    _same_answer(got, run_to_end(one, [("a", first)], max_tokens=6)["a"])
+    answer = got[0]
+    second = first + answer + words[700:800]
+    got = run_to_end(layered, [("b", second)], max_tokens=6)["b"]
+    assert got[2].cached_tokens == len(first) + len(answer) - 1
+    _same_answer(got, run_to_end(one, [("b", second)], max_tokens=6)["b"])
