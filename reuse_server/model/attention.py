@@ -92,6 +92,7 @@ class _SequenceMask:
     groups: list[tuple[int, int, int]] | None = None
     first_query: int = 0  # the lowest query position
     windowed: bool = False
+    first_key: int = 0  # windowed: the lowest key position any query sees (the ones before it are masked)
     _folded: dict = field(default_factory=dict, repr=False, compare=False)
 
     def folded(self, lo: int, hi: int, keys: int, group: int, first_key: int = 0) -> torch.Tensor | None:
@@ -163,7 +164,8 @@ def _build_masks(
             # Additive, built once: SDPA would otherwise turn a bool mask into this in every layer.
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             groups = [(0, hi - lo, ctx)] if windowed else _query_groups(q_pos, ctx)
-            out.append(_SequenceMask(False, additive, groups, int(q_pos.min()), windowed))
+            first_key = max(0, int(q_pos.min()) - window + 1) if windowed else 0
+            out.append(_SequenceMask(False, additive, groups, int(q_pos.min()), windowed, first_key))
     return out
 
 
@@ -188,21 +190,29 @@ def paged_attention(
         if run is not None:
             out[lo:hi] = _attend_split(q[lo:hi], meta, pool, layer_idx, s, seq_mask, run, scale)
             continue
-        k, v = pool.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(pool, s))
+        # A sliding window's queries see none of the blocks before its first key: they are not read (on a hybrid
+        # pool they hold no KV at all) and the mask's columns start after them.
+        skip = seq_mask.first_key // pool.block_size
+        offset = skip * pool.block_size
+        if skip:
+            k, v = pool.gather(layer_idx, meta.block_tables[s][skip:], meta.context_lens[s] - offset)
+        else:
+            k, v = pool.gather(layer_idx, meta.block_tables[s], meta.context_lens[s], meta.consecutive_start(pool, s))
         k, v = k.to(q.dtype).transpose(0, 1).unsqueeze(0), v.to(q.dtype).transpose(0, 1).unsqueeze(0)
         for g_lo, g_hi, keys in seq_mask.groups or [(0, hi - lo, meta.context_lens[s])]:
             rows = q[lo + g_lo:lo + g_hi]
+            seen = keys - offset
             if not seq_mask.is_causal and 2 <= g_hi - g_lo <= FOLD_MAX_ROWS and q.shape[1] > k.shape[1]:
                 group = q.shape[1] // k.shape[1]
                 out[lo + g_lo:lo + g_hi] = _attend_folded(
-                    rows, k[:, :, :keys], v[:, :, :keys], seq_mask.folded(g_lo, g_hi, keys, group), scale)
+                    rows, k[:, :, :seen], v[:, :, :seen], seq_mask.folded(g_lo, g_hi, keys, group, offset), scale)
                 continue
-            mask = None if seq_mask.mask is None else seq_mask.mask[g_lo:g_hi, :keys]
+            mask = None if seq_mask.mask is None else seq_mask.mask[g_lo:g_hi, offset:keys]
             # [1, heads, n, hd]: the 4-D layout picks the fused CPU kernel; the 3-D one falls back to math.
             attn = F.scaled_dot_product_attention(
                 rows.transpose(0, 1).unsqueeze(0),
-                k[:, :, :keys],
-                v[:, :, :keys],
+                k[:, :, :seen],
+                v[:, :, :seen],
                 attn_mask=mask,
                 is_causal=seq_mask.is_causal,
                 scale=scale,
