@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_radix": ["--repeats", "5"],
     "bench_engine": ["--prefill-lens", "256", "--decode-tokens", "8", "--repeats", "1", "--serving-requests", "8"],
     "bench_ttft": ["--lengths", "512,2048", "--warm-repeats", "2", "--servers", "1"],
+    "bench_gemma": ["--lengths", "512,2048", "--smollm2-lengths", "512,2048", "--decode-tokens", "32", "--requests", "8"],
     "bench_memory": ["--concurrency", "4", "--prompt-tokens", "512", "--rounds", "1"],
     "bench_burst": ["--requests", "4", "--system-tokens", "512", "--budget", "8192"],
     "bench_rerope": ["--tokens", "1024", "--repeats", "3"],
