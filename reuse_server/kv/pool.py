@@ -368,15 +368,32 @@ class KVPool:
         to the host through the pool's pinned staging buffer asynchronously. Returns (buffers, copied): the
         buffers may be read only once copied.synchronize() returns (None: ready now, as on the CPU, where the
         pool already is host memory)."""
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        values = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5)
-        scales = None if self._scales is None else self._scales[:, :, ids].movedim(2, 0)
-        packed = block_codec.pack(values, scales, self.layout, self.layout_for(as_dtype))
+        if self._scales is None and self.layout_for(as_dtype) == self.layout:
+            packed = self._gather_runs(blocks)
+        else:
+            ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            values = self._data[:, :, ids].permute(2, 0, 1, 3, 4, 5)
+            scales = None if self._scales is None else self._scales[:, :, ids].movedim(2, 0)
+            packed = block_codec.pack(values, scales, self.layout, self.layout_for(as_dtype))
         if self.device.type != "cuda":
             return packed.cpu(), None
         if self._staging is None:
             self._staging = PinnedStaging()
         return self._staging.copy_out(packed)
+
+    def _gather_runs(self, blocks: list[int]) -> torch.Tensor:
+        """Blocks as stored, as block buffers (uint8 [n, layout.nbytes]), in one copy: each run of consecutive
+        ids is one strided copy into the new buffer (an indexed gather, then a reordering copy, would write
+        every byte twice, into two fresh buffers)."""
+        out = torch.empty((len(blocks), *self.layout.shape), dtype=self.dtype, device=self.device)
+        start = 0
+        for end in range(1, len(blocks) + 1):
+            if end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
+                continue
+            first = blocks[start]
+            out[start:end].copy_(self._data[:, :, first:first + end - start].permute(2, 0, 1, 3, 4, 5))
+            start = end
+        return out.view(torch.uint8).view(len(blocks), self.layout.nbytes)
 
     def import_blocks(self, blocks: list[int], data: torch.Tensor, layout: BlockLayout | None = None) -> None:
         """Write block buffers (uint8 [n, layout.nbytes], any device) into the given blocks. layout: what
@@ -388,10 +405,39 @@ class KVPool:
             raise ValueError(f"expected uint8 [{len(blocks)}, {layout.nbytes}] block buffers, got "
                              f"{data.dtype} {tuple(data.shape)}")
         values, scales = block_codec.unpack(data.to(self.device), layout, self.layout)
-        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # a slice copies faster than an index
+            ids = slice(blocks[0], blocks[0] + len(blocks))
+        else:
+            ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
         self._data[:, :, ids] = values.permute(1, 2, 0, 3, 4, 5)
         if self._scales is not None:
             self._scales[:, :, ids] = scales.movedim(0, 2)
+
+    def import_rows(self, blocks: list[int], rows: list[torch.Tensor], layout: BlockLayout | None = None) -> None:
+        """import_blocks for block buffers given one by one (uint8 [layout.nbytes] each): rows lying next to
+        each other in memory, in order (a tier's read buffer, one export's batch), go in as one copy, with no
+        stacking into a new buffer first (on a CPU server the fresh pages of such a stack cost more than the
+        copy itself)."""
+        if len(blocks) != len(rows):
+            raise ValueError(f"{len(blocks)} blocks for {len(rows)} buffers")
+        nbytes = (self.layout if layout is None else layout).nbytes
+        start = 0
+        for end in range(1, len(rows) + 1):
+            if end < len(rows) and _adjacent(rows[end - 1], rows[end], nbytes):
+                continue
+            first = rows[start]
+            if first.dim() != 1 or first.numel() != nbytes or not first.is_contiguous():
+                raise ValueError(f"expected uint8 [{nbytes}] block buffers, got {first.dtype} {tuple(first.shape)}")
+            self.import_blocks(blocks[start:end], first.as_strided((end - start, nbytes), (nbytes, 1)), layout)
+            start = end
+
+
+def _adjacent(row: torch.Tensor, following: torch.Tensor, nbytes: int) -> bool:
+    """Whether `following` starts where `row` (uint8 [nbytes], contiguous) ends, in the same memory."""
+    return (following.device == row.device and following.dtype == row.dtype == torch.uint8
+            and row.is_contiguous() and following.is_contiguous() and row.numel() == following.numel() == nbytes
+            and following.untyped_storage().data_ptr() == row.untyped_storage().data_ptr()
+            and following.data_ptr() == row.data_ptr() + nbytes)
 
 
 class StagedCopy:

@@ -124,6 +124,13 @@ def _rotate(x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding, ops=
     return rotated if rotated is not None else apply_rotary(x, cos, sin)
 
 
+# A step's MLP activations grow with its rows (the stacked gate/up output of 8,192 SmolLM2 rows is 96 MiB) and
+# glibc keeps much of what a step frees: the MLP runs at most this many rows at a time, which bounds them. Each
+# row's products do not depend on the rows beside it, so the result is the same, and a product of this many
+# rows runs as fast per row as a taller one.
+MLP_ROWS = 2048
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: CpuBackend | None = None):
         super().__init__()
@@ -133,6 +140,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj = None  # gate and up as one native product once packed (gate/up_proj then None)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma), else SiLU gating
+        self.hidden_size = config.hidden_size
 
     def pack_gate_up(self) -> int:
         """Gate and up projections as one native product of their stacked weights, gated by one native pass
@@ -147,6 +155,14 @@ class MLP(nn.Module):
         return 2
 
     def forward(self, x):
+        if x.shape[0] <= MLP_ROWS:
+            return self._rows(x)
+        out = x.new_empty(x.shape[0], self.hidden_size)
+        for start in range(0, x.shape[0], MLP_ROWS):
+            out[start:start + MLP_ROWS] = self._rows(x[start:start + MLP_ROWS])
+        return out
+
+    def _rows(self, x):
         if self.gate_up_proj is not None and self.gelu:  # stacked (quant_linear packs int weights so)
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)

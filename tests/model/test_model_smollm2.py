@@ -118,3 +118,16 @@ def test_qk_unpermutation_equals_transformers(smollm2):
             theirs = torch.from_numpy(processor.process(weights=raw, name=gguf_name).weights.copy())
             assert not torch.equal(theirs, torch.from_numpy(raw.copy()))  # the permutation is not a no-op
             assert torch.equal(ours.get_tensor(f"model.layers.0.self_attn.{hf_name}.weight"), theirs)
+
+
+def test_a_tall_step_runs_its_mlp_in_row_slices_with_the_same_result(smollm2):
+    """Steps taller than MLP_ROWS run the MLP a slice of rows at a time (bounding its activations): the
+    rows come out as one product of all of them gives them, the last slice a few rows (the kernels' short
+    path)."""
+    from reuse_server.model.llama import MLP_ROWS
+
+    _, model, _, _ = smollm2
+    mlp = model.layers[0].mlp
+    x = torch.randn(MLP_ROWS + 10, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), mlp._rows(x))

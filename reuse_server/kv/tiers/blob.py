@@ -18,7 +18,7 @@ import xxhash
 MAGIC = b"KVRB"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
-_CHECKSUM_BYTES = 16
+CHECKSUM_BYTES = 16
 
 
 class BadBlob(ValueError):
@@ -77,35 +77,72 @@ def encode(entry: BlockEntry, ctx: BlobContext) -> bytes:
     return body + xxhash.xxh3_128_digest(body)
 
 
+def split(blob: bytes | memoryview, ctx: BlobContext) -> tuple[memoryview, memoryview, memoryview]:
+    """(head: magic to the end of the header, payload, checksum) of a blob of ctx's payload length; BadBlob
+    when it cannot be one. Readers that place the payload themselves (disk.py, remote.py: straight into a
+    read buffer) cut a blob the same way: the payload is the last ctx.kv_bytes before the checksum."""
+    view = memoryview(blob)
+    head = len(view) - ctx.kv_bytes - CHECKSUM_BYTES
+    if head < _PREFIX.size:
+        raise BadBlob("truncated")
+    return view[:head], view[head:head + ctx.kv_bytes], view[head + ctx.kv_bytes:]
+
+
+def head_length(blob_length: int, ctx: BlobContext) -> int:
+    """How many bytes come before the payload in a blob `blob_length` long; BadBlob when it is too short."""
+    head = blob_length - ctx.kv_bytes - CHECKSUM_BYTES
+    if head < _PREFIX.size:
+        raise BadBlob("truncated")
+    return head
+
+
 def decode(blob: bytes | memoryview, ctx: BlobContext, expected_hash: bytes | None = None) -> BlockEntry:
     """The entry in `blob`, checked against ctx (and the hash it was looked up by); BadBlob otherwise."""
-    view = memoryview(blob)
-    if len(view) < _PREFIX.size + _CHECKSUM_BYTES:
+    if len(blob) < _PREFIX.size + CHECKSUM_BYTES:
         raise BadBlob("truncated")
-    magic, version, header_len = _PREFIX.unpack_from(view)
+    _check_prefix(memoryview(blob))
+    head, payload, checksum = split(blob, ctx)
+    return check(head, torch.frombuffer(bytearray(payload), dtype=torch.uint8), checksum, ctx, expected_hash)
+
+
+def _check_prefix(head: memoryview) -> int:
+    magic, version, header_len = _PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise BadBlob("not a KV block blob")
     if version != VERSION:
         raise BadBlob(f"format version {version}, this server reads {VERSION}")
-    body, checksum = view[:-_CHECKSUM_BYTES], view[-_CHECKSUM_BYTES:]
-    if xxhash.xxh3_128_digest(body) != bytes(checksum):
+    return header_len
+
+
+def check(head: bytes | memoryview, payload: torch.Tensor, checksum: bytes | memoryview, ctx: BlobContext,
+          expected_hash: bytes | None = None) -> BlockEntry:
+    """The entry a blob's three parts make (the payload, uint8 [ctx.kv_bytes] on the CPU, becomes its kv as
+    it is: no copy), checked as `decode` checks a whole blob; BadBlob otherwise. The checksum runs over the
+    head and the payload where they lie (xxhash releases the GIL: readers verify one block while reading
+    the next)."""
+    head = memoryview(head)
+    if len(head) < _PREFIX.size:
+        raise BadBlob("truncated")
+    header_len = _check_prefix(head)
+    digest = xxhash.xxh3_128(head)
+    digest.update(payload.numpy())
+    if digest.digest() != bytes(checksum):
         raise BadBlob("checksum mismatch")
-    start = _PREFIX.size
+    if _PREFIX.size + header_len != len(head):
+        raise BadBlob("payload length disagrees")
     try:
-        header = json.loads(bytes(view[start:start + header_len]))
+        header = json.loads(bytes(head[_PREFIX.size:]))
     except ValueError as exc:
         raise BadBlob(f"unreadable header: {exc}") from None
-    payload = body[start + header_len:]
     if header.get("fingerprint") != ctx.fingerprint:
         raise BadBlob("computed by another model (fingerprint differs)")
     if (header.get("block_size"), header.get("hash_algo"), header.get("layout")) != (
             ctx.block_size, ctx.hash_algo, ctx.layout):
         raise BadBlob("another block size, hash algorithm or KV layout")
-    if header.get("payload_bytes") != len(payload) or len(payload) != ctx.kv_bytes:
+    if header.get("payload_bytes") != payload.numel() or payload.numel() != ctx.kv_bytes:
         raise BadBlob("payload length disagrees")
     entry = BlockEntry(bytes.fromhex(header["hash"]), bytes.fromhex(header["parent"]),
-                       bytes.fromhex(header["tokens"]), bytes.fromhex(header["namespace"]),
-                       torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                       bytes.fromhex(header["tokens"]), bytes.fromhex(header["namespace"]), payload)
     if expected_hash is not None and entry.hash != expected_hash:
         raise BadBlob("holds another block")
     return entry

@@ -5,7 +5,8 @@ Layout: <dir>/<fingerprint prefix>/<first two hex digits of the hash>/<hash>.kv.
 background writer (never blocking a request): a temporary file in the same folder, written, fsynced, then
 renamed into place, and the folder fsynced; only then does the index list the block. So a server killed at
 any moment leaves at most a temporary file, which start-up deletes, never a half block that is read back.
-Reads block the caller. A file that fails its checksum, is truncated, holds other tokens or belongs to
+Reads block the caller; each file's payload is read straight into a reused buffer and checked while the
+next file is read (tiers/reads.py). A file that fails its checksum, is truncated, holds other tokens or belongs to
 another model is a miss: it is deleted and logged, never served. Past the size budget the least recently
 used files are deleted."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
+from reuse_server.kv.tiers.blob import CHECKSUM_BYTES, BadBlob, BlobContext, BlockEntry, check, encode, head_length
+from reuse_server.kv.tiers.reads import ReadBuffer, Verifier
 from reuse_server.kv.tiers.stats import TierStats
 from reuse_server.kv.tiers.writer import BackgroundWriter
 
@@ -38,6 +40,7 @@ class DiskTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
         self._lock = threading.Lock()  # the index is shared by the engine thread and the writer
+        self._reads = ReadBuffer(ctx.kv_bytes)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._rebuild_index()
@@ -105,33 +108,64 @@ class DiskTier:
 
     # ---- reads (the caller's thread) -------------------------------------------------------
     def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
-        """contiguous: stop at the first block not held (only an unbroken run is any use)."""
-        found = {}
-        for i, h in enumerate(hashes):
-            if contiguous and len(found) < i:
-                break  # a block before this one was not found
-            if h not in self._index:
-                continue
+        """contiguous: read up to the first block not held (only an unbroken run is any use). Each file is
+        read with one readv: its head and checksum into small buffers, its payload straight into a row of
+        the tier's read buffer (what the pool then imports in one copy), and checked on the verifier thread
+        while the next file is read."""
+        held = []
+        for h in hashes:
+            if h in self._index:
+                held.append(h)
+            elif contiguous:
+                break
+        if not held:
+            return {}
+        verifier = Verifier()
+        for h, row in zip(held, self._reads.rows(len(held))):
             path = self._path(h)
             try:
-                blob = path.read_bytes()
-                entry = decode(blob, self.ctx, expected_hash=h)
+                head, checksum = self._read_into(path, row)
             except BadBlob as exc:
-                log.warning("disk cache: deleting %s: %s", path, exc)
-                self.stats.corrupt += 1
-                self._forget(h, delete=True)
+                self._corrupt(h, path, exc)
                 continue
             except OSError as exc:
                 log.warning("disk cache: cannot read %s: %s", path, exc)
                 self.stats.errors += 1
                 self._forget(h, delete=False)
                 continue
-            self.stats.read_bytes += len(blob)
+            self.stats.read_bytes += len(head) + row.numel() + len(checksum)
+            verifier.submit(h, lambda h=h, head=head, row=row, checksum=checksum: check(head, row, checksum,
+                                                                                         self.ctx, h))
+        found = {}
+        for h, entry, exc in verifier.results():
+            if exc is not None:
+                if not isinstance(exc, BadBlob):
+                    raise exc
+                self._corrupt(h, self._path(h), exc)
+                continue
             with self._lock:
                 if h in self._index:
                     self._index.move_to_end(h)
             found[h] = entry
         return found
+
+    def _read_into(self, path: Path, row) -> tuple[bytearray, bytearray]:
+        """(head, checksum) of the block file at path, its payload read into row."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            head, checksum = bytearray(head_length(size, self.ctx)), bytearray(CHECKSUM_BYTES)
+            got = os.readv(fd, [head, row.numpy(), checksum])
+        finally:
+            os.close(fd)
+        if got != size:
+            raise BadBlob("truncated")
+        return head, checksum
+
+    def _corrupt(self, block_hash: bytes, path: Path, exc: BadBlob) -> None:
+        log.warning("disk cache: deleting %s: %s", path, exc)
+        self.stats.corrupt += 1
+        self._forget(block_hash, delete=True)
 
     def discard(self, block_hash: bytes) -> None:
         """Drop a block (it was found bad by the caller)."""

@@ -171,7 +171,7 @@ class KVTiers:
         if not blocks:
             return
         start = time.perf_counter()
-        self.pool.import_blocks(blocks, torch.stack([f.entry.payload() for f in found]), self.layout)
+        self.pool.import_rows(blocks, [f.entry.payload() for f in found], self.layout)
         seconds = time.perf_counter() - start
         for name, lookups in self.lookups.items():
             share = sum(f.tier == name for f in found) / len(found)

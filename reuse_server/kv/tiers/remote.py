@@ -2,7 +2,8 @@
 reuse. One key per block, `kvreuse:<fingerprint prefix>[-<tier dtype>]:<block hash>`, its value a self-describing blob
 (tiers/blob.py), so a value from another model or a damaged one is never served.
 
-Writes are batched into pipelines by a background writer; reads of a prompt's blocks are one MGET. The
+Writes are batched into pipelines by a background writer; reads of a prompt's blocks are MGETs pipelined,
+pipeline, read straight into a reused buffer (tiers/resp.py). The
 client has short timeouts: if Redis is down or slow, requests go on without it (misses, counted), the outage
 is logged once, and calls are retried after a growing pause until it answers again. Run Redis without
 persistence and with an LRU memory bound: `--save '' --appendonly no --maxmemory 4gb --maxmemory-policy
@@ -26,7 +27,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
+from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, check, encode
+from reuse_server.kv.tiers.reads import ReadBuffer, Verifier
+from reuse_server.kv.tiers.resp import mget_into
 from reuse_server.kv.tiers.stats import TierStats
 from reuse_server.kv.tiers.writer import BackgroundWriter
 
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 KNOWN_LIMIT = 200_000  # hashes remembered as stored, so that blocks read from Redis are not written back
 MAX_PAUSE = 30.0
-MGET_BATCH = 32
+MGET_BATCH = 32  # keys per MGET: Redis builds each reply whole before sending it
 
 
 class RedisTier:
@@ -50,6 +53,7 @@ class RedisTier:
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._refusing_writes = False  # Redis answers but refuses SETs (logged once until one succeeds)
+        self._reads = ReadBuffer(ctx.kv_bytes)
         self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
         self._down_since: float | None = None
         self._retry_at = 0.0
@@ -107,62 +111,79 @@ class RedisTier:
         return True if block_hash in self._known else None
 
     def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
-        """The blocks Redis holds among `hashes`, read MGET_BATCH at a time (a long prompt's blocks are
-        hundreds of megabytes: batches bound the memory a read holds). contiguous: only the unbroken run from
-        the first hash, read up to the first missing block."""
-        found: dict[bytes, BlockEntry] = {}
-        for i in range(0, len(hashes), MGET_BATCH):
-            if not self.available:
-                break
-            batch = hashes[i:i + MGET_BATCH]
-            keys = [self.key(h) for h in batch]
+        """The blocks Redis holds among `hashes`: MGETs of MGET_BATCH keys, pipelined, their values'
+        payloads read into the tier's read buffer and checked while the next value arrives (tiers/resp.py).
+        contiguous: only the unbroken run from the first hash, read up to the first missing block."""
+        if not self.available or not hashes:
+            return {}
+        try:
+            asked = self._held_run(hashes) if contiguous else hashes
+            values = self._read(asked) if asked else []
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return {}
+        self._answered()
+        if contiguous:  # a block evicted meanwhile breaks the run: nothing after it is any use
+            gone = next((i for i, v in enumerate(values) if v is None), len(values))
+            values = values[:gone]
+        # Lost from Redis (restart, flush, eviction): forgotten, so they are written again once computed.
+        # After a break in a contiguous read nothing is known of the rest: forgotten too (a write again of a
+        # block Redis still holds only replaces it).
+        self._forget([h for h, v in zip(asked, values) if v is None] + (hashes[len(values):] if contiguous else []))
+        found, bad = {}, []
+        for h, value in zip(asked, values):
+            if value is None:
+                continue
+            entry, exc = value
+            if exc is not None:
+                log.warning("Redis: deleting %s: %s", self.key(h).decode(), exc)
+                self.stats.corrupt += 1
+                bad.append(self.key(h))
+            else:
+                found[h] = entry
+        if bad:
             try:
-                values = self._read(keys, contiguous)
+                self.client.delete(*bad)
             except redis.RedisError as exc:
                 self._failed(exc)
-                break
-            self._answered()
-            # Lost from Redis (restart, flush, eviction): forgotten, so they are written again once computed.
-            # After a break in a contiguous read nothing is known of the rest: forgotten too (a write again
-            # of a block Redis still holds only replaces it).
-            self._forget([h for h, value in zip(batch, values) if value is None]
-                         + (hashes[i + len(values):] if contiguous else []))
-            bad = []
-            for h, value in zip(batch, values):
-                if value is None:
-                    continue
-                self.stats.read_bytes += len(value)
-                try:
-                    found[h] = decode(value, self.ctx, expected_hash=h)
-                except BadBlob as exc:
-                    log.warning("Redis: deleting %s: %s", self.key(h).decode(), exc)
-                    self.stats.corrupt += 1
-                    bad.append(self.key(h))
-            if bad:
-                try:
-                    self.client.delete(*bad)
-                except redis.RedisError as exc:
-                    self._failed(exc)
-            if contiguous and len(values) < len(batch):
-                break
         self._remember(found)
         return found
 
-    def _read(self, keys: list[bytes], contiguous: bool) -> list:
-        """The values of `keys` (None: missing); contiguous: of the unbroken run from the first key only, found
-        with EXISTS first (one pipeline; tiny replies), so that no value after a gap is transferred."""
-        if contiguous:
-            with self.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(key)
-                held = pipe.execute()
-            keys = keys[:next((i for i, h in enumerate(held) if not h), len(keys))]
-            if not keys:
-                return []
-            values = self.client.mget(keys)
-            gone = next((i for i, v in enumerate(values) if v is None), len(values))  # evicted meanwhile
-            return values[:gone]
-        return self.client.mget(keys)
+    def _held_run(self, hashes: list[bytes]) -> list[bytes]:
+        """The unbroken run of `hashes` from the first that Redis holds: EXISTS in one pipeline (tiny replies),
+        so that no value after a gap is transferred."""
+        with self.client.pipeline(transaction=False) as pipe:
+            for h in hashes:
+                pipe.exists(self.key(h))
+            held = pipe.execute()
+        return hashes[:next((i for i, h in enumerate(held) if not h), len(hashes))]
+
+    def _read(self, hashes: list[bytes]) -> list:
+        """Per hash: None (not in Redis) or (entry, None) or (None, BadBlob)."""
+        rows = self._reads.rows(len(hashes))
+        verifier = Verifier()
+        values: list = [None] * len(hashes)
+
+        def arrived(i: int, head: bytearray | None, checksum: bytearray | None) -> None:
+            if head is None:
+                return
+            self.stats.read_bytes += len(head) + rows[i].numel() + (len(checksum) if checksum is not None else 0)
+            if checksum is None:
+                values[i] = (None, BadBlob("truncated"))
+            else:
+                verifier.submit(i, lambda: check(head, rows[i], checksum, self.ctx, hashes[i]))
+
+        keys = [self.key(h) for h in hashes]
+        try:
+            mget_into(self.client, [keys[i:i + MGET_BATCH] for i in range(0, len(keys), MGET_BATCH)], rows,
+                      self.ctx, arrived)
+        finally:
+            checked = verifier.results()  # never leave a check running on a row that is handed out again
+        for i, entry, exc in checked:
+            if exc is not None and not isinstance(exc, BadBlob):
+                raise exc
+            values[i] = (entry, exc)
+        return values
 
     def discard(self, block_hash: bytes) -> None:
         try:

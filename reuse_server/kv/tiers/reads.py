@@ -1,0 +1,60 @@
+"""What the disk and Redis tiers read blocks with: a buffer the payloads land in, and a thread that checks
+one block while the next is being read.
+
+- `ReadBuffer`: payloads are read straight into rows of one buffer that is reused from read to read. A fresh
+  buffer per read would cost more than the copy into it (the kernel maps and zeroes every page of a few
+  hundred megabytes on first touch); rows of one buffer are also what the pool imports in one copy
+  (KVPool.import_rows). A caller may keep the rows it was given as long as it likes: while any row of the
+  last read is still alive, the next read gets a new buffer.
+- `Verifier`: checksums run on a second thread (xxhash releases the GIL), so checking block i overlaps
+  reading block i + 1 (a file read or a socket read, which release the GIL too)."""
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+KEEP_AT_MOST = 1 << 28  # bytes of buffer kept for the next read (a 4,096-token prompt of the bundled model: 188 MB); a larger read's buffer goes with its rows
+
+
+class ReadBuffer:
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes
+        self._buffer: torch.Tensor | None = None
+        self._handed: list[weakref.ref] = []
+
+    def rows(self, n: int) -> list[torch.Tensor]:
+        """n rows (uint8 [row_bytes] each) that nothing else uses, adjacent in memory in order."""
+        if self._buffer is None or self._buffer.shape[0] < n or any(r() is not None for r in self._handed):
+            self._buffer = torch.empty((n, self.row_bytes), dtype=torch.uint8)
+        rows = list(self._buffer[:n].unbind(0))
+        if self._buffer.numel() > KEEP_AT_MOST:
+            self._buffer, self._handed = None, []
+        else:
+            self._handed = [weakref.ref(r) for r in rows]
+        return rows
+
+
+class Verifier:
+    """Runs checks in submission order on one background thread; `results()` waits for them all."""
+
+    _pool: ThreadPoolExecutor | None = None  # one thread for the process: reads block the engine thread anyway
+
+    def __init__(self) -> None:
+        if Verifier._pool is None:
+            Verifier._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-verify")
+        self._futures: list[tuple[object, Future]] = []
+
+    def submit(self, key, check: Callable[[], object]) -> None:
+        self._futures.append((key, Verifier._pool.submit(check)))
+
+    def results(self) -> list[tuple[object, object, BaseException | None]]:
+        """(key, result, exception) per submitted check, in order."""
+        out = []
+        for key, future in self._futures:
+            exc = future.exception()
+            out.append((key, None if exc is not None else future.result(), exc))
+        self._futures = []
+        return out

@@ -1,0 +1,134 @@
+"""The tiers' read path at the level of blocks: payloads read straight into a reused buffer (disk files with
+readv, Redis values off the socket), checked on a second thread, and imported into the pool in runs of rows.
+Each test reads real files or a real redis-server and compares the pool's bytes with what was written."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from redis_server import redis_server
+from reuse_server.kv.pool import KVPool
+from reuse_server.kv.tiers.blob import BlobContext, BlockEntry, encode
+from reuse_server.kv.tiers.disk import DiskTier
+from reuse_server.kv.tiers.host import HostTier
+from reuse_server.kv.tiers.manager import KVTiers, Wanted
+from reuse_server.kv.tiers.reads import ReadBuffer
+from reuse_server.kv.tiers.remote import MGET_BATCH, RedisTier
+
+N = MGET_BATCH + 5  # more than one MGET
+
+
+def setup(n: int = N, dtype=torch.float32):
+    pool = KVPool(2, 2 * n + 3, 4, 2, 8, dtype)
+    torch.manual_seed(0)
+    pool.write(0, torch.arange(pool.num_slots), torch.randn(pool.num_slots, 2, 8), torch.randn(pool.num_slots, 2, 8))
+    pool.write(1, torch.arange(pool.num_slots), torch.randn(pool.num_slots, 2, 8), torch.randn(pool.num_slots, 2, 8))
+    ctx = BlobContext("ab" * 16, 4, "xxh3_128", pool.layout.describe(), pool.layout.nbytes)
+    kv = pool.export_blocks(list(range(n)))
+    hashes = [os.urandom(16) for _ in range(n)]
+    entries = [BlockEntry(h, hashes[i - 1] if i else b"\0" * 16, os.urandom(16), b"ns", kv[i])
+               for i, h in enumerate(hashes)]
+    wanted = [Wanted(i, e.hash, e.parent_hash, e.tokens) for i, e in enumerate(entries)]
+    return pool, ctx, kv, entries, wanted
+
+
+def read_all(pool, tiers, wanted, contiguous=True):
+    found = tiers.fetch(wanted, contiguous=contiguous)
+    into = list(range(pool.num_blocks - len(found), pool.num_blocks))
+    tiers.load(into, [found[i] for i in sorted(found)])
+    return found, pool.export_blocks(into)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_import_rows_takes_adjacent_and_scattered_rows_into_any_blocks(dtype):
+    pool, _, kv, _, _ = setup(8, dtype)
+    rows = list(kv.unbind(0))
+    scattered = [rows[3], rows[1], rows[2], kv[5].clone(), rows[6], rows[7]]
+    for into in ([10, 11, 12, 13, 14, 15], [15, 9, 12, 10, 16, 11]):
+        pool.import_rows(into, scattered)
+        assert torch.equal(pool.export_blocks(into), torch.stack(scattered))
+    with pytest.raises(ValueError):
+        pool.import_rows([1, 2], [rows[0][:-1], rows[1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_export_gathers_scattered_blocks_in_their_order(dtype):
+    pool, _, _, _, _ = setup(8, dtype)
+    ids = [5, 6, 7, 2, 0, 1, 9]
+    values = pool.layout.decode(pool.export_blocks(ids))  # [n, layers, K/V, block, heads, dim]
+    for layer in range(pool.num_layers):
+        k, v = pool.gather_blocks(layer, torch.tensor(ids))
+        assert torch.equal(values[:, layer, 0], k.float()) and torch.equal(values[:, layer, 1], v.float())
+    if not pool.quantized:
+        assert pool.export_blocks([]).shape == (0, pool.layout.nbytes)
+
+
+def test_a_read_buffer_is_reused_only_once_the_rows_it_gave_are_gone():
+    reads = ReadBuffer(8)
+    first = reads.rows(4)
+    for r in first:
+        r.fill_(1)
+    second = reads.rows(4)  # the first rows are alive: a new buffer
+    for r in second:
+        r.fill_(2)
+    assert all(int(r.sum()) == 8 for r in first)
+    pointer = second[0].data_ptr()
+    del first, second, r
+    assert reads.rows(3)[0].data_ptr() == pointer
+
+
+def test_host_ram_blocks_go_into_the_pool_as_they_were():
+    pool, _, kv, entries, wanted = setup()
+    host = HostTier(1 << 30)
+    host.put(entries[::-1][:10] + entries[:-10])  # rows of two batches, partly in reverse order
+    found, loaded = read_all(pool, KVTiers(pool, host=host), wanted)
+    assert len(found) == N and torch.equal(loaded, kv)
+
+
+def test_disk_reads_every_block_back_and_a_damaged_file_is_a_miss(tmp_path):
+    pool, ctx, kv, entries, wanted = setup()
+    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    disk.put(entries)
+    assert disk.close(30)
+    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    found, loaded = read_all(pool, KVTiers(pool, disk=disk), wanted)
+    assert len(found) == N and torch.equal(loaded, kv)
+    bad = disk._path(entries[7].hash)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    short = disk._path(entries[9].hash)
+    short.write_bytes(short.read_bytes()[:100])
+    found, _ = read_all(pool, KVTiers(pool, disk=disk), wanted, contiguous=False)
+    assert sorted(found) == [i for i in range(N) if i not in (7, 9)]
+    assert all(torch.equal(found[i].entry.kv, kv[i]) for i in found)
+    assert disk.stats.corrupt == 2 and not bad.exists() and not short.exists()
+
+
+def test_redis_reads_every_block_back_and_a_damaged_value_is_a_miss_deleted():
+    pool, ctx, kv, entries, wanted = setup()
+    with redis_server() as server:
+        remote = RedisTier(server.url, ctx, timeout=2)
+        remote.put(entries)
+        assert remote.close(30)
+        remote = RedisTier(server.url, ctx, timeout=2)
+        found, loaded = read_all(pool, KVTiers(pool, remote=remote), wanted)
+        assert len(found) == N and torch.equal(loaded, kv)
+        client = server.client()
+        flipped = bytearray(encode(entries[3], ctx))
+        flipped[-40] ^= 1
+        client.set(remote.key(entries[3].hash), bytes(flipped))
+        client.set(remote.key(entries[MGET_BATCH + 1].hash), b"short")  # in the second MGET
+        client.delete(remote.key(entries[5].hash))
+        remote = RedisTier(server.url, ctx, timeout=2)
+        found, _ = read_all(pool, KVTiers(pool, remote=remote), wanted, contiguous=False)
+        assert sorted(found) == [i for i in range(N) if i not in (3, 5, MGET_BATCH + 1)]
+        assert all(torch.equal(found[i].entry.kv, kv[i]) for i in found)
+        assert remote.stats.corrupt == 2 and remote.stats.errors == 0
+        assert client.exists(remote.key(entries[3].hash), remote.key(entries[MGET_BATCH + 1].hash)) == 0
+        found, _ = read_all(pool, KVTiers(pool, remote=remote), wanted)  # a chain stops at its first miss
+        assert sorted(found) == [0, 1, 2]
+        assert client.ping()  # the connection read raw is left at a reply's end: the client goes on
+        assert remote.client.get(remote.key(entries[0].hash)) == encode(entries[0], ctx)
