@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from reuse_server.kv.block_codec import BlockLayout
-from reuse_server.kv.pool import KVPool
+from reuse_server.kv.pool import KVPool, import_in_runs
 from reuse_server.kv.window_parts import WindowParts
 
 
@@ -203,6 +203,10 @@ class LayeredKVPool:
         split = layout.full.nbytes
         self.full.import_blocks(blocks, data[:, :split].contiguous(), layout.full)
         self.windowed.import_blocks(self._parts(blocks), data[:, split:].contiguous(), layout.window)
+
+    def import_rows(self, blocks: list[int], rows: list[torch.Tensor], layout: GroupedLayout | None = None) -> None:
+        """import_blocks for buffers given one by one (KVPool.import_rows)."""
+        import_in_runs(self, blocks, rows, layout)
 
 
 def _overwrite(values: list[torch.Tensor]):

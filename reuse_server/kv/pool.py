@@ -418,18 +418,23 @@ class KVPool:
         each other in memory, in order (a tier's read buffer, one export's batch), go in as one copy, with no
         stacking into a new buffer first (on a CPU server the fresh pages of such a stack cost more than the
         copy itself)."""
-        if len(blocks) != len(rows):
-            raise ValueError(f"{len(blocks)} blocks for {len(rows)} buffers")
-        nbytes = (self.layout if layout is None else layout).nbytes
-        start = 0
-        for end in range(1, len(rows) + 1):
-            if end < len(rows) and _adjacent(rows[end - 1], rows[end], nbytes):
-                continue
-            first = rows[start]
-            if first.dim() != 1 or first.numel() != nbytes or not first.is_contiguous():
-                raise ValueError(f"expected uint8 [{nbytes}] block buffers, got {first.dtype} {tuple(first.shape)}")
-            self.import_blocks(blocks[start:end], first.as_strided((end - start, nbytes), (nbytes, 1)), layout)
-            start = end
+        import_in_runs(self, blocks, rows, layout)
+
+
+def import_in_runs(pool, blocks: list[int], rows: list[torch.Tensor], layout=None) -> None:
+    """pool.import_blocks for each run of rows lying next to each other in memory, as one [n, nbytes] view."""
+    if len(blocks) != len(rows):
+        raise ValueError(f"{len(blocks)} blocks for {len(rows)} buffers")
+    nbytes = (pool.layout if layout is None else layout).nbytes
+    start = 0
+    for end in range(1, len(rows) + 1):
+        if end < len(rows) and _adjacent(rows[end - 1], rows[end], nbytes):
+            continue
+        first = rows[start]
+        if first.dim() != 1 or first.numel() != nbytes or not first.is_contiguous():
+            raise ValueError(f"expected uint8 [{nbytes}] block buffers, got {first.dtype} {tuple(first.shape)}")
+        pool.import_blocks(blocks[start:end], first.as_strided((end - start, nbytes), (nbytes, 1)), layout)
+        start = end
 
 
 def _adjacent(row: torch.Tensor, following: torch.Tensor, nbytes: int) -> bool:
