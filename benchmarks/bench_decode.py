@@ -13,8 +13,11 @@ http_ms is the time between its first and last streamed token per token (best of
 step_ms is what the async engine, the API and SSE (and the client) add per token.
 Then 8 concurrent streams over HTTP (mean per-stream ms/token), and the memory read bandwidth of this
 machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set).
+With --products, only the model's quantized products of one decode step, replayed on 1 and --threads threads
+through this tree's kernels and any other builds given (--library), alternating in one process.
 
     .venv/bin/python -m benchmarks.bench_decode [--tokens 128] [--threads 2] [--no-http]
+    .venv/bin/python -m benchmarks.bench_decode --products [--library OTHER_BUILD.so ...]
 
 Prints JSON lines. The CPU is shared: compare figures within one run.
 """
@@ -83,7 +86,7 @@ def engine_breakdown(args) -> dict:
     from reuse_server.engine.detokenizer import IncrementalDetokenizer
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
     from reuse_server.kv.pool import KVPool
-    from reuse_server.model import cpu_attention, cpu_ops, llama, quant_linear, rope
+    from reuse_server.model import cpu_attention, cpu_linear, cpu_ops, llama, quant_linear, rope
 
     engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
@@ -123,6 +126,7 @@ def engine_breakdown(args) -> dict:
 
     timers = Timers()
     timers.wrap(quant_linear.NativeQuantLinear, "forward", "linear")
+    timers.wrap(cpu_linear.NativeLinear, "forward", "linear")  # --weight-dtype fp32
     timers.wrap(cpu_attention.CpuAttentionKernel, "__call__", "attention")
     timers.wrap(cpu_attention, "KernelPlan", "attention")
     timers.wrap(KVPool, "write", "kv_write")
@@ -151,9 +155,63 @@ def engine_breakdown(args) -> dict:
         instrumented_step_ms=round(per["step"], 2),
         linear_calls_per_step=None,
         threads=torch.get_num_threads())
-    row["linear_calls_per_step"] = sum(isinstance(m, quant_linear.NativeQuantLinear) for m in
-                                       runner.model.modules()) + (runner.model.packed_head is not None)
+    kernels = (quant_linear.NativeQuantLinear, cpu_linear.NativeLinear)
+    row["linear_calls_per_step"] = sum(isinstance(m, kernels) for m in runner.model.modules()) + (
+        runner.model.packed_head is not None)
     return row
+
+
+def product_figures(args) -> list[dict]:
+    """The model's one-row products of one real decode step (their inputs recorded), replayed through each
+    kernel library (--library: another build of the kernels, e.g. an earlier commit's, for an A/B in one
+    process; by default this tree's) on 1 and on --threads threads, alternating, median of --rounds."""
+    import ctypes
+    import torch
+    from reuse_server.engine.builder import build_engine
+    from reuse_server.engine.config import EngineConfig
+    from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+    from reuse_server.model import native, quant_linear
+
+    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
+    prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
+    engine.add_request("p", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
+                       CacheOptions(prefix_cache=False))
+    for _ in range(6):
+        engine.step()
+    calls, original = [], quant_linear.NativeQuantLinear.forward
+
+    def record(self, x):
+        calls.append((self, x.clone()))
+        return original(self, x)
+
+    quant_linear.NativeQuantLinear.forward = record
+    engine.step()
+    quant_linear.NativeQuantLinear.forward = original
+    libraries = {"this tree": native.load().kv_quant_linear_f32}
+    for path in args.library:
+        fn = ctypes.CDLL(path).kv_quant_linear_f32
+        fn.argtypes, fn.restype = native.SIGNATURES["kv_quant_linear_f32"]
+        libraries[path] = fn
+    outputs = {name: [torch.empty(x.shape[0], m.out_features) for m, x in calls] for name in libraries}
+
+    def replay(name, threads):
+        fn, ys = libraries[name], outputs[name]
+        start = time.perf_counter()
+        for (m, x), y in zip(calls, ys):
+            fn(x.data_ptr(), x.shape[0], x.stride(0), m.in_features, *m._weights, y.data_ptr(), threads)
+        return time.perf_counter() - start
+
+    configs = [(name, t) for name in libraries for t in sorted({1, args.threads})]
+    seconds = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs if r % 2 else configs[::-1]:
+            seconds[c].append(replay(*c))
+    first = outputs["this tree"]
+    same = {name: all(torch.equal(a, b) for a, b in zip(first, ys)) for name, ys in outputs.items()}
+    return [dict(bench="decode_products", library=name, threads=t, products=len(calls),
+                 median_ms=round(1e3 * statistics.median(seconds[(name, t)]), 2),
+                 min_ms=round(1e3 * min(seconds[(name, t)]), 2), same_bits_as_this_tree=same[name])
+            for name, t in configs]
 
 
 def http_figures(args) -> dict:
@@ -178,12 +236,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--products", action="store_true",
+                    help="only time one step's quantized products on 1 and --threads threads (product_figures)")
+    ap.add_argument("--library", action="append", default=[],
+                    help="with --products: another build of the kernels to compare in the same run (repeatable)")
+    ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported, and for the server
     from reuse_server.server.openmp import apply_short_spin
     apply_short_spin()
     import torch
     torch.set_num_threads(args.threads)
+    if args.products:
+        for row in product_figures(args):
+            emit(**row)
+        return
     row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, tokens=args.tokens,
                read_gb_s=round(read_bandwidth_gb_s(), 1))
     row.update(engine_breakdown(args))

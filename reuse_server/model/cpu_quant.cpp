@@ -9,7 +9,9 @@
 // column. Per k a panel holds 64 codes: int8 64 bytes; int4 32 bytes, byte j = column j (low nibble) | column
 // j + 32 (high nibble); bf16 128 bytes. Scales and minimums: [panels][groups][64], fp32 or fp16.
 //
-// A few rows (decode) run straight from the codes: each panel row is widened once and used by every row of x.
+// A few rows (decode) run straight from the codes: each panel row is widened once and used by every row of x;
+// their panels are shared between the calling thread and helpers that are running (cpu_tasks.h), not handed
+// to an OpenMP team whose barrier waits for a helper the busy CPU has not scheduled.
 // More rows decode a chunk of the panel into an fp32 buffer that stays in L1 and run the fp32 tile over it,
 // so the widening is paid once per chunk of rows rather than once per row tile. Both paths add the products
 // of a row in the same order (bias, then k = 0, 1, ...), from the same fp32 weights: a row's result does not
@@ -23,6 +25,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "cpu_tasks.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -124,6 +127,20 @@ struct Int4 {
     static constexpr int BYTES = 32;
     static constexpr bool SCALED = true;
     static inline void decode(const uint8_t* p, v16 q[4]) {
+#if defined(__AVX512F__)
+        // Each byte widened to a 32-bit lane (column j's code in bits 0-3, column j + 32's in bits 4-7), then
+        // each code made fp32 by a lookup in a table of 0.0 .. 15.0 (vpermps reads only an index's low 4 bits,
+        // so the low nibble needs no mask and the high one one shift): fewer operations than masking the
+        // nibbles in bytes and converting, and the very values conversion gives (the model's 120 one-row int4
+        // products on one thread: 8.9 -> 8.1 ms, BENCHMARKS.md "Decode: where a step's time goes").
+        const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+        const __m512 w[4] = {_mm512_permutexvar_ps(a, table), _mm512_permutexvar_ps(b, table),
+                             _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), table),
+                             _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
+        std::memcpy(q, w, sizeof w);
+#else
         u8x16 a, b;
         std::memcpy(&a, p, 16);
         std::memcpy(&b, p + 16, 16);
@@ -131,6 +148,7 @@ struct Int4 {
         q[1] = widen(b & 15);
         q[2] = widen(a >> 4);
         q[3] = widen(b >> 4);
+#endif
     }
 };
 
@@ -323,31 +341,37 @@ void linear(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* pa
         block_rows = std::clamp<int64_t>((rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS, MIN_BLOCK_ROWS, BLOCK_ROWS);
     }
     const int64_t row_blocks = (m + block_rows - 1) / block_rows;
+    const auto task = [&](int64_t p, int64_t r) {
+        const int64_t r0 = r * block_rows;
+        const int rows = (int)std::min<int64_t>(block_rows, m - r0);
+        const int cols = (int)std::min<int64_t>(PANEL, n - p * PANEL);
+        const float* xr = x + r0 * ldx;
+        const uint8_t* codes = panels + p * k * F::BYTES;
+        const S* sc = F::SCALED ? scales + p * groups * PANEL : nullptr;
+        const S* mn = MIN ? mins + p * groups * PANEL : nullptr;
+        const float* b = bias ? bias + p * PANEL : nullptr;
+        float* yr = y + r0 * n + p * PANEL;
+        if (!direct) {
+            buffered_block<F, S, MIN>(xr, ldx, rows, codes, sc, mn, k, group, b, yr, n, cols);
+            return;
+        }
+        switch (rows) {
+            case 6: direct_tile<F, S, MIN, 6>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+            case 5: direct_tile<F, S, MIN, 5>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+            case 4: direct_tile<F, S, MIN, 4>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+            case 3: direct_tile<F, S, MIN, 3>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+            case 2: direct_tile<F, S, MIN, 2>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+            default: direct_tile<F, S, MIN, 1>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
+        }
+    };
+    if (direct) {  // a few rows (decode): microseconds of work a call, shared without OpenMP's barrier
+        auto body = [&](int64_t t) { task(t / row_blocks, t % row_blocks); };
+        share_tasks(num_panels * row_blocks, num_threads, body);
+        return;
+    }
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < num_panels; ++p) {
-        for (int64_t r = 0; r < row_blocks; ++r) {
-            const int64_t r0 = r * block_rows;
-            const int rows = (int)std::min<int64_t>(block_rows, m - r0);
-            const int cols = (int)std::min<int64_t>(PANEL, n - p * PANEL);
-            const float* xr = x + r0 * ldx;
-            const uint8_t* codes = panels + p * k * F::BYTES;
-            const S* sc = F::SCALED ? scales + p * groups * PANEL : nullptr;
-            const S* mn = MIN ? mins + p * groups * PANEL : nullptr;
-            const float* b = bias ? bias + p * PANEL : nullptr;
-            float* yr = y + r0 * n + p * PANEL;
-            if (!direct) {
-                buffered_block<F, S, MIN>(xr, ldx, rows, codes, sc, mn, k, group, b, yr, n, cols);
-                continue;
-            }
-            switch (rows) {
-                case 6: direct_tile<F, S, MIN, 6>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-                case 5: direct_tile<F, S, MIN, 5>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-                case 4: direct_tile<F, S, MIN, 4>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-                case 3: direct_tile<F, S, MIN, 3>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-                case 2: direct_tile<F, S, MIN, 2>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-                default: direct_tile<F, S, MIN, 1>(xr, ldx, codes, sc, mn, k, group, b, yr, n, cols); break;
-            }
-        }
+        for (int64_t r = 0; r < row_blocks; ++r) task(p, r);
     }
 }
 

@@ -68,6 +68,36 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(kind):
         assert torch.equal(layer(x[start:end]), together[start:end]), (start, end)
 
 
+@pytest.mark.parametrize("kind", KINDS + ("fp32",))
+def test_the_threads_sharing_a_call_never_change_its_bits(kind):
+    """Few-row calls share their panels between the calling thread and helpers that join when they are
+    running (cpu_tasks.h): whoever computes a panel, and however many threads the call asks for, the output is
+    the one thread's, bit for bit; calls from several Python threads at once (ctypes releases the GIL: the
+    second caller runs alone) too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from reuse_server.model.cpu_linear import NativeLinear
+
+    dense, q = weights(64 * 40 + 5, 96, 8, "int4" if kind == "fp32" else kind)
+    bias = torch.randn(64 * 40 + 5)
+    layer = NativeLinear(dense, bias) if kind == "fp32" else NativeQuantLinear(q, bias)
+    inputs = [torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) for rows in (1, 2, 6, 8, 24)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [layer(x) for x in inputs]
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            for _ in range(20):
+                assert all(torch.equal(layer(x), y) for x, y in zip(inputs, alone)), n
+        torch.set_num_threads(2)
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: layer(inputs[i % len(inputs)]), range(400)))
+        assert all(torch.equal(r, alone[i % len(inputs)]) for i, r in enumerate(results))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_int4_and_int8_holding_q4_codes_equal_fp32_bit_for_bit(kind):
     """Weights on a Q4_1 grid, held as 4-bit codes or as the same codes in int8 (how a Q4 GGUF loads into
