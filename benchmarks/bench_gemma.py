@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from benchmarks.bench_ttft import (DOCS, TextSource, conversation, measure, server_process, server_ttft_sum, served_model,
+from benchmarks.bench_ttft import (DOCS, TextSource, conversation, measure, measure_warm, server_process, served_model,
                                    stream_ttft, with_last_line)
 from benchmarks.bench_weights import decode
 from benchmarks.run_all import machine
@@ -188,7 +188,7 @@ def ttft_part(url: str, tokenizer, source: TextSource, lengths: list[int], args,
         record(bench="kv_held", prompt_tokens=usage.prompt_tokens, **held_row(before, after, usage.prompt_tokens, server),
                **label)
         # its warm repeats, timed as bench_ttft times them (the cold figure is the one above)
-        record(**measure_warm(url, client, model, messages, usage, cold_s, args.warm_repeats), **label)
+        record(**measure_warm(url, client, model, messages, usage, cold_s, args.warm_repeats, 2), **label)
         # one more turn of it, decoding --running-tokens: what the pool holds while the sequence runs
         with Busiest(url, args.poll_s) as busiest:
             stream_ttft(client, model, with_last_line(messages, "Question 9: who is named first above?"),
@@ -198,25 +198,6 @@ def ttft_part(url: str, tokenizer, source: TextSource, lengths: list[int], args,
             record(bench="kv_running", prompt_tokens=usage.prompt_tokens, decode_tokens=args.running_tokens,
                    held_mib=round(peak["held_bytes"] / MIB, 1), held_bytes=peak["held_bytes"],
                    running=peak.get("sequence_blocks"), **{k: peak[k] for k in WINDOW_KEYS if k in peak}, **label)
-
-
-def measure_warm(url, client, model, messages, cold_usage, cold_s: float, warm_repeats: int) -> dict:
-    """bench_ttft.measure's row for a conversation whose cold request was already sent (and timed)."""
-    warm, engine_warm = [], []
-    for i in range(warm_repeats):
-        before = server_ttft_sum(url)
-        warm.append(stream_ttft(client, model, with_last_line(messages, f"Question {i + 1}: name one place mentioned "
-                                                                        "in the text above."), 2))
-        engine_warm.append(server_ttft_sum(url) - before)
-    warm_s = statistics.median(s for s, _ in warm)
-    usage = warm[-1][1]
-    cached = usage.prompt_tokens_details.cached_tokens
-    return dict(bench="ttft", prompt_tokens=cold_usage.prompt_tokens,
-                cold_cached_tokens=cold_usage.prompt_tokens_details.cached_tokens,
-                cold_s=round(cold_s, 4), warm_s=round(warm_s, 4), warm_min_s=round(min(s for s, _ in warm), 4),
-                ratio=round(cold_s / warm_s, 1), warm_prompt_tokens=usage.prompt_tokens, warm_cached_tokens=cached,
-                warm_uncached_tokens=usage.prompt_tokens - cached,
-                warm_engine_s=round(statistics.median(engine_warm), 4), warm_repeats=warm_repeats, max_tokens=2)
 
 
 def decode_part(url: str, args, record, label: dict) -> None:

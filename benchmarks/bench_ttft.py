@@ -126,6 +126,12 @@ def measure(url, client, model, tokenizer, source: TextSource, length: int, warm
             max_tokens: int) -> dict:
     messages = conversation(tokenizer, source, length, "In one sentence, what is the main event described above?")
     cold_s, cold_usage = stream_ttft(client, model, messages, max_tokens)
+    return measure_warm(url, client, model, messages, cold_usage, cold_s, warm_repeats, max_tokens)
+
+
+def measure_warm(url, client, model, messages, cold_usage, cold_s: float, warm_repeats: int, max_tokens: int) -> dict:
+    """The row for a conversation whose cold request was sent (and timed): its warm repeats, each with a new
+    last line."""
     warm, engine_warm = [], []
     for i in range(warm_repeats):
         question = f"Question {i + 1}: name one place mentioned in the text above."
