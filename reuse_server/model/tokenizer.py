@@ -77,11 +77,13 @@ class ServedTokenizer:
 
     def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
                ) -> str:
-        # clean-up: readable() admits only folders that leave it off, and transformers ignores it for BPE
-        if clean_up_tokenization_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
-            raise NotImplementedError("clean_up_tokenization_spaces for a non-BPE tokenizer")
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # as transformers: off unless asked (readable() admits only folders that leave it off), and skipped for
+        # BPE models, where removing spaces before punctuation would change the text
+        if clean_up_tokenization_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
+            text = _clean_up_tokenization(text)
+        return text
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)
@@ -198,3 +200,11 @@ class Encoding(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization (WordPiece-era spacing before punctuation and contractions)."""
+    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(spaced, joined)
+    return text

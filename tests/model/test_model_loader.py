@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from reuse_server.model import ModelConfig, ModelLoadError, load_model, load_tokenizer, resolve_model
+from reuse_server.model.tokenizer import _clean_up_tokenization
 
 
 @pytest.fixture
@@ -159,6 +160,11 @@ def test_the_served_tokenizer_is_autotokenizers(model):
         assert ours.encode(text, add_special_tokens=special) == ids
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(ids, skip_special_tokens=skip)
+    spaced = auto.encode("Hello , world . I 'm here , aren 't we ?", add_special_tokens=False)
+    for clean in (True, False):  # a BPE tokenizer keeps its spaces either way, as transformers' does
+        assert ours.decode(spaced, clean_up_tokenization_spaces=clean) == auto.decode(
+            spaced, clean_up_tokenization_spaces=clean)
+    assert _clean_up_tokenization(text + " x , y . z 're") == auto.clean_up_tokenization(text + " x , y . z 're")
     for chat in CHATS:
         for generation_prompt in (True, False):
             for extra in ({}, {"tools": [WEATHER_TOOL]}):
