@@ -1,3 +1,4 @@
+import ast
 import importlib.util
 import json
 import shutil
@@ -195,28 +196,29 @@ def test_structured_output_through_the_served_tokenizer():
     assert text == '"Paris"'
 
 
+def _imported_after(code: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `code`."""
+    probe = f"import sys\n{code}\nprint(sorted(m for m in {modules!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
 def test_serving_the_bundled_model_imports_no_transformers():
     """transformers (with huggingface_hub, PIL, yaml) stays out of a server of a converted GGUF: loading its
     tokenizer and rendering a chat through it must not import it."""
-    code = ("import sys\n"
-            "from reuse_server.model import load_tokenizer, resolve_model\n"
+    code = ("from reuse_server.model import load_tokenizer, resolve_model\n"
             "tok = load_tokenizer(resolve_model('smollm2', 'int4'))\n"
-            "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
-            "print(sorted(m for m in ('transformers', 'huggingface_hub', 'PIL') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[]"
+            "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)")
+    assert _imported_after(code, ("transformers", "huggingface_hub", "PIL")) == []
 
 
 def test_loading_the_model_imports_no_compiler():
     """Building the model on the meta device and loading its tokenizer must not import torch._dynamo (nor
     sympy, triton): nothing a server runs uses them, and once imported they stay resident."""
-    code = ("import sys\n"
-            "from reuse_server.model import load_model, load_tokenizer, resolve_model\n"
+    code = ("from reuse_server.model import load_model, load_tokenizer, resolve_model\n"
             "path = resolve_model('smollm2', 'int4')\n"
-            "load_model(path, weight_dtype='int4'); load_tokenizer(path)\n"
-            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'triton') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[]"
+            "load_model(path, weight_dtype='int4'); load_tokenizer(path)")
+    assert _imported_after(code, ("torch._dynamo", "sympy", "triton")) == []
 
 
 def test_config_fields(tiny_qwen2_path):
