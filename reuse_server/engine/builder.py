@@ -189,7 +189,8 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     disk = DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx) if config.disk_cache_dir else None
     remote = RedisTier(config.redis_url, ctx, timeout=config.redis_timeout) if config.redis_url else None
     log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
-    return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype, fetch=config.tier_fetch)
+    return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype, fetch=config.tier_fetch,
+                   host_write_policy=config.host_write_policy)
 
 
 def default_model_id(model: str | None) -> str:

@@ -58,6 +58,7 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
     disk_cache_size: int = 10 * 1000**3  # bytes of disk for them
     disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
+    host_write_policy: str = "through"  # through: every new full block, so an eviction copies nothing; back: evicted ones
     tier_fetch: str = "auto"  # auto: fetch a block where measured cheaper than recomputing it; always: fetch
     redis_url: str | None = None  # Redis/Valkey shared by servers on the same model
     redis_timeout: float = 0.25  # seconds a Redis call may take before it counts as a miss

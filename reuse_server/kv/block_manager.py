@@ -24,7 +24,7 @@ reuse point still has its parts (`_window_usable`). The tree's eviction of a blo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
 
@@ -62,6 +62,15 @@ class Loaded:
         for found in [*self.prefix, *self.after_hole.values()]:
             out[found.tier] = out.get(found.tier, 0) + block_size
         return out
+
+
+class TierPartial(NamedTuple):
+    """The pool's PartialMatch found in a tier instead: a held block whose first `num_tokens` tokens continue
+    the matched chain as the prompt does (`found`: a tiers.Found). Loaded into the sequence's own block, which
+    computes on from there, as a partially shared pool block is copied."""
+
+    found: object
+    num_tokens: int
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -155,7 +164,10 @@ class BlockManager:
         if not self.allocate(seq, first_slice_tokens, partial, loaded.after_hole):
             return None
         bs = self.block_size
-        return Admission(kv.num_computed + len(loaded.after_hole) * bs, loaded.tokens_by_tier(bs))
+        by_tier = loaded.tokens_by_tier(bs)
+        if isinstance(partial, TierPartial):
+            by_tier[partial.found.tier] = by_tier.get(partial.found.tier, 0) + partial.num_tokens
+        return Admission(kv.num_computed + len(loaded.after_hole) * bs, by_tier)
 
     def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> Loaded:
         """Admission, first: the tiers' blocks continuing the device's cached chain of seq's prompt go into
@@ -167,10 +179,11 @@ class BlockManager:
         after_hole = self._after_hole(seq, chain) if fill_holes else {}
         return Loaded(pulled, after_hole)
 
-    def match(self, seq: Sequence, tokens: list[int], approximate_namespace: bytes | None) -> PartialMatch | None:
+    def match(self, seq: Sequence, tokens: list[int], approximate_namespace: bytes | None
+              ) -> PartialMatch | TierPartial | None:
         """Admission, second: match seq's prefix (exact, or blended the same way if that is longer), lock it
         and start seq's block table with it. Returns the cached block sharing the most of the prompt's next
-        block's tokens, locked (allocate copies it and unlocks it), or None."""
+        block's tokens, locked (allocate copies it and unlocks it), or a tier's block sharing more, or None."""
         kv = seq.kv
         match = self._usable_match(tokens, seq.namespace)
         namespace = seq.namespace
@@ -197,12 +210,28 @@ class BlockManager:
         partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
         if partial is not None and self.window is not None and not self.window.has(partial.block_id):
             partial = None  # its window layers' KV is gone: the copy would lack it
-        if partial is not None:
+        if self.tiers is not None and not kv.approximate:  # a pool hit's partial block, missed from a tier
+            held = self._tier_partial(seq, tokens, match.num_tokens)
+            if held is not None and (partial is None or held.num_tokens > partial.num_tokens):
+                partial = held
+        if isinstance(partial, PartialMatch):
             self.cache.lock(partial.node)  # allocating must not evict it before the copy
             if self.window is not None:
                 self.window.pin([partial.block_id])  # nor its window part
+        if partial is not None:
             kv.num_computed += partial.num_tokens
         return partial
+
+    def _tier_partial(self, seq: Sequence, tokens: list[int], matched: int) -> TierPartial | None:
+        """The tiers' block continuing the chain matched up to `matched` tokens that shares the most of the
+        prompt's next tokens (tiers keep whole blocks by hash, so a prompt that leaves a cached prompt inside a
+        block finds that block only this way)."""
+        bs = self.block_size
+        following = tokens[matched:matched + bs]
+        if not following or matched < bs:
+            return None
+        held = self.tiers.partial(self.prompt_hashes(seq)[matched // bs - 1], following)
+        return TierPartial(*held) if held is not None else None
 
     def _usable_match(self, tokens: list[int], namespace: bytes) -> MatchResult:
         """The cached prefix of tokens that the model can continue from: all of it, except on a hybrid pool,
@@ -226,7 +255,7 @@ class BlockManager:
                 return end
         return 0
 
-    def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | None,
+    def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | TierPartial | None,
                  after_hole: dict) -> bool:
         """Admission, last: take blocks for seq's first slice (and up to its last block found after a hole),
         copy the partially shared block in and load the blocks found after a hole. False (and everything
@@ -235,7 +264,10 @@ class BlockManager:
         first_slice = min(first_slice_tokens, seq.num_tokens - kv.num_computed)
         end = max(kv.num_computed + first_slice, (max(after_hole) + 1) * self.block_size if after_hole else 0)
         admitted = self.ensure_capacity(seq, end)
-        if partial is not None:
+        if isinstance(partial, TierPartial):
+            if admitted:  # into the sequence's own block, as below
+                self.tiers.load([kv.block_table[kv.num_published]], [partial.found])
+        elif partial is not None:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
                 self.copy_blocks([partial.block_id], [kv.block_table[kv.num_published]])
             self.cache.unlock(partial.node)

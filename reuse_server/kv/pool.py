@@ -381,10 +381,24 @@ class KVPool:
             self._staging = PinnedStaging()
         return self._staging.copy_out(packed)
 
+    def _native_copy(self):
+        """The C++ block copy (cpu_kv_store), where it applies: a CPU pool without scales; else None."""
+        if self.device.type != "cpu" or self._scales is not None:
+            return None
+        from reuse_server.model import cpu_kv_store
+
+        return cpu_kv_store.load()
+
     def _gather_runs(self, blocks: list[int]) -> torch.Tensor:
         """Blocks as stored, as block buffers (uint8 [n, layout.nbytes]), in one copy: each run of consecutive
         ids is one strided copy into the new buffer (an indexed gather, then a reordering copy, would write
         every byte twice, into two fresh buffers)."""
+        native = self._native_copy()
+        if native is not None:
+            out = torch.empty((len(blocks), self.layout.nbytes), dtype=torch.uint8)
+            base, nbytes = out.data_ptr(), self.layout.nbytes
+            native.copy_blocks(self._data, blocks, [base + i * nbytes for i in range(len(blocks))], to_pool=False)
+            return out
         out = torch.empty((len(blocks), *self.layout.shape), dtype=self.dtype, device=self.device)
         start = 0
         for end in range(1, len(blocks) + 1):
@@ -418,7 +432,16 @@ class KVPool:
         each other in memory, in order (a tier's read buffer, one export's batch), go in as one copy, with no
         stacking into a new buffer first (on a CPU server the fresh pages of such a stack cost more than the
         copy itself)."""
-        import_in_runs(self, blocks, rows, layout)
+        native = self._native_copy() if layout is None or layout == self.layout else None
+        if native is None:
+            import_in_runs(self, blocks, rows, layout)
+            return
+        nbytes = self.layout.nbytes
+        for row in rows:
+            if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() != nbytes or not row.is_contiguous() \
+                    or row.device.type != "cpu":
+                raise ValueError(f"expected uint8 [{nbytes}] block buffers, got {row.dtype} {tuple(row.shape)}")
+        native.copy_blocks(self._data, blocks, [row.data_ptr() for row in rows], to_pool=True)
 
 
 def import_in_runs(pool, blocks: list[int], rows: list[torch.Tensor], layout=None) -> None:

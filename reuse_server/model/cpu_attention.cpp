@@ -21,7 +21,8 @@
 #include <vector>
 
 #include <immintrin.h>
-#include <omp.h>
+
+#include "cpu_tasks.h"
 
 #include "cpu_vector.h"
 
@@ -400,51 +401,51 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
     for (const Unit& u : units) row_keys += u.rows * (u.key_end - u.key_begin);
     const int run_threads = row_keys < SERIAL_ROW_KEYS ? 1 : (int)num_threads;
 
-#pragma omp parallel num_threads(run_threads)
-    {
-        std::vector<float> own_o(PAD_ROWS * head_dim);
+    // Shared tasks, not an OpenMP team: a team's barrier waits for a helper the scheduler has not run, which on
+    // a busy CPU made one call many times slower than one thread alone (cpu_tasks.h says more).
+    auto compute = [&](int64_t t) {
+        thread_local std::vector<float> own_o;
+        if (own_o.size() < (size_t)(PAD_ROWS * head_dim)) own_o.resize(PAD_ROWS * head_dim);
         alignas(64) float own_m[MAX_ROWS], own_l[MAX_ROWS];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < num_tasks; ++t) {
-            const Task& task = tasks[t];
-            const Unit& u = units[task.unit];
-            const int64_t slot = partial_slot[t];
-            float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
-            float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
-            float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
-            run_task<T>(pb, u, task.key_begin, task.key_end, o, m, l);
-            if (slot >= 0) continue;
-            for (int64_t r = 0; r < u.rows; ++r) {
-                float* dst = out_row(pb, u, r);
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r * head_dim + d] * inv;
-            }
+        const Task& task = tasks[t];
+        const Unit& u = units[task.unit];
+        const int64_t slot = partial_slot[t];
+        float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
+        float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
+        float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
+        run_task<T>(pb, u, task.key_begin, task.key_end, o, m, l);
+        if (slot >= 0) return;
+        for (int64_t r = 0; r < u.rows; ++r) {
+            float* dst = out_row(pb, u, r);
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r * head_dim + d] * inv;
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < (int64_t)units.size(); ++i) {
-            const Unit& u = units[i];
-            if (u.num_tasks < 2) continue;
-            for (int64_t r = 0; r < u.rows; ++r) {
-                float top = -INFINITY;
-                for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t)
-                    top = std::max(top, part_m[partial_slot[t] * MAX_ROWS + r]);
-                float* dst = out_row(pb, u, r);
-                std::fill(dst, dst + head_dim, 0.f);
-                float total = 0.f;
-                for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t) {
-                    const int64_t slot = partial_slot[t];
-                    const float mt = part_m[slot * MAX_ROWS + r];
-                    if (mt == -INFINITY) continue;
-                    const float w = std::exp(mt - top);
-                    total += w * part_l[slot * MAX_ROWS + r];
-                    const float* src = part_o.data() + (slot * PAD_ROWS + r) * head_dim;
-                    for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * src[d];
-                }
-                const float inv = total > 0.f ? 1.f / total : 0.f;
-                for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
+    };
+    kv::share_tasks(num_tasks, run_threads, compute);
+    auto merge = [&](int64_t i) {
+        const Unit& u = units[i];
+        if (u.num_tasks < 2) return;
+        for (int64_t r = 0; r < u.rows; ++r) {
+            float top = -INFINITY;
+            for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t)
+                top = std::max(top, part_m[partial_slot[t] * MAX_ROWS + r]);
+            float* dst = out_row(pb, u, r);
+            std::fill(dst, dst + head_dim, 0.f);
+            float total = 0.f;
+            for (int64_t t = u.first_task; t < u.first_task + u.num_tasks; ++t) {
+                const int64_t slot = partial_slot[t];
+                const float mt = part_m[slot * MAX_ROWS + r];
+                if (mt == -INFINITY) continue;
+                const float w = std::exp(mt - top);
+                total += w * part_l[slot * MAX_ROWS + r];
+                const float* src = part_o.data() + (slot * PAD_ROWS + r) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] += w * src[d];
             }
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
         }
-    }
+    };
+    kv::share_tasks((int64_t)units.size(), run_threads, merge);
     return 0;
 }
 

@@ -14,6 +14,8 @@
 
 #include <omp.h>
 
+#include "cpu_tasks.h"
+
 namespace {
 
 constexpr float FP8_MAX = 448.f;
@@ -129,4 +131,23 @@ extern "C" void kv_store_int8(int8_t* data, float* scales, int64_t planes, int64
             }
         }
     }
+}
+
+// Whole blocks between the pool and block buffers (a tier's rows, an export's): buffer row r holds `pieces`
+// runs of `piece` bytes (each layer's K, then its V), which in the pool lie at pool + p * plane + ids[r] *
+// piece. A tier hit copies a few hundred MB this way; torch's indexed assignment computes every element's
+// address instead of copying runs, and leaves the second core idle.
+extern "C" void kv_copy_blocks(uint8_t* pool, int64_t plane, const int64_t* ids, uint8_t* const* rows, int64_t n,
+                               int64_t pieces, int64_t piece, int64_t to_pool, int64_t threads) {
+    auto copy = [&](int64_t r) {
+        uint8_t* row = rows[r];
+        uint8_t* block = pool + ids[r] * piece;
+        for (int64_t p = 0; p < pieces; ++p) {
+            if (to_pool)
+                std::memcpy(block + p * plane, row + p * piece, piece);
+            else
+                std::memcpy(row + p * piece, block + p * plane, piece);
+        }
+    };
+    kv::share_tasks(n, (int)threads, copy);
 }

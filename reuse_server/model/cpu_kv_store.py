@@ -1,6 +1,6 @@
 """Quantizing writes into an 8-bit KV pool through the C++ kernel (cpu_kv_store.cpp), on the CPU: the pool's
 torch arithmetic for fp8 and int8 (kv_pool.KVPool._store_planes) bit for bit, in one call instead of some
-thirty small tensor operations per write."""
+thirty small tensor operations per write. And whole blocks copied in and out of a pool (tier hits, exports)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,22 @@ class NativeKVStore:
     def __init__(self, library: ctypes.CDLL):
         self._fp8 = library.kv_store_fp8
         self._int8 = library.kv_store_int8
+        self._copy = library.kv_copy_blocks
+
+    def copy_blocks(self, data: torch.Tensor, blocks: list[int], rows: list[int], to_pool: bool) -> None:
+        """Copy whole blocks between a pool's data [layers, 2, blocks, ...] (contiguous) and block buffers at
+        the addresses `rows` (each [layers, 2, ...one block...] contiguous): into the pool or out of it."""
+        if not data.is_contiguous() or data.device.type != "cpu":
+            raise ValueError("the pool's data must be contiguous CPU memory")
+        if len(blocks) != len(rows):
+            raise ValueError(f"{len(blocks)} blocks for {len(rows)} buffers")
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        if len(blocks) and not (0 <= int(ids.min()) and int(ids.max()) < data.shape[2]):
+            raise ValueError(f"block ids outside the pool's {data.shape[2]} blocks")
+        addresses = (ctypes.c_void_p * len(rows))(*rows)
+        size = data.element_size()
+        self._copy(data.data_ptr(), data.stride(1) * size, ids.data_ptr(), addresses, len(blocks),
+                   data.shape[0] * data.shape[1], data.stride(2) * size, int(to_pool), torch.get_num_threads())
 
     def store(self, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize values [planes, n, heads, dim] into slots [n] (distinct) of planes of the pool: data

@@ -219,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="disk space for those files; the least recently used go first")
     tiers.add_argument("--disk-write-policy", default=defaults.disk_write_policy, choices=["through", "back"],
                        help="through: every new full block is written to disk; back: only what host RAM evicts")
+    tiers.add_argument("--host-write-policy", default=defaults.host_write_policy, choices=["through", "back"],
+                       help="through: every new full block is copied to host RAM as it is computed, so the pool "
+                            "evicts without copying (a hit that pushes blocks out waits for no copy; host RAM then "
+                            "also holds what the pool holds: size it above the pool); back: copied when evicted")
     tiers.add_argument("--tier-fetch", default=defaults.tier_fetch, choices=["auto", "always"],
                        help="auto: read a block from a tier only where that is measured cheaper than recomputing "
                             "it (re-measured now and then); always: read every block a tier holds")
@@ -358,7 +362,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dedup_prefill=not args.no_prefill_dedup,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
         cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
-        disk_write_policy=args.disk_write_policy, tier_fetch=args.tier_fetch, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
+        disk_write_policy=args.disk_write_policy, host_write_policy=args.host_write_policy,
+        tier_fetch=args.tier_fetch, redis_url=args.redis_url, redis_timeout=args.redis_timeout,
         tier_kv_dtype=args.tier_kv_dtype, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,

@@ -113,3 +113,14 @@ def test_every_tier_has_the_tier_protocol(tmp_path: Path):
         assert isinstance(remote, Tier) and remote.num_blocks is None and remote.write_queue_bytes == 0
     finally:
         remote.close(1.0)
+
+
+def test_touched_blocks_are_evicted_last():
+    """Write-through holds blocks from when they were computed; a block the pool evicts later is touched then
+    (host RAM is now its only copy), so older untouched blocks go first."""
+    tier = HostTier(capacity_bytes=4 * ROW)
+    entries = [batch(i, 1)[0][0] for i in range(4)]  # one buffer each: each counts alone
+    tier.put(entries)
+    tier.touch([entries[0].hash, b"never held" * 2])
+    tier.put([batch(10, 1)[0][0]])
+    assert set(held(tier)) == {entries[0].hash, entries[2].hash, entries[3].hash, bytes([10]) * 16}

@@ -134,3 +134,29 @@ def test_cuda_exports_go_through_one_staging_buffer_and_each_keeps_its_bytes():
     first_copied.synchronize()
     assert torch.equal(first, original[[0, 1, 2]]) and torch.equal(second, original[[5, 6]])
     assert torch.equal(pool.export_blocks([7]), original[[7]])  # the waiting export reads through it too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_block_copies_equal_torch_s_both_ways(dtype, monkeypatch):
+    """Exports and row imports go through the C++ copy on a CPU pool without scales: the same bytes as
+    torch's strided copies, into and out of scattered block ids."""
+    pool = make_pool(num_blocks=12, dtype=dtype)
+    assert pool._native_copy() is not None, "the C++ kernels are built here: the copy must use them"
+    fill(pool, seed=3)
+    blocks = [9, 2, 3, 4, 0, 11]
+    native = pool.export_blocks(blocks)
+    monkeypatch.setattr(pool, "_native_copy", lambda: None)
+    assert torch.equal(native, pool.export_blocks(blocks))  # torch's path, from the same pool
+    monkeypatch.undo()
+    targets = [1, 7, 8, 5, 10, 6]
+    via_native, via_torch = make_pool(num_blocks=12, dtype=dtype), make_pool(num_blocks=12, dtype=dtype)
+    rows = list(native)  # adjacent rows of one buffer
+    via_native.import_rows(targets, rows)
+    monkeypatch.setattr(via_torch, "_native_copy", lambda: None)
+    via_torch.import_rows(targets, rows)
+    assert torch.equal(via_native._data, via_torch._data)
+    assert torch.equal(via_native.export_blocks(targets), native)
+    with pytest.raises(ValueError, match="expected uint8"):
+        via_native.import_rows([0], [native[0, :-1]])
+    with pytest.raises(ValueError, match="outside"):
+        via_native.import_rows([12], [native[0]])

@@ -46,18 +46,24 @@ def evict_everything(engine, seed: int) -> None:
         run(engine, f"filler-{seed}-{i}", prompt(1000 + 10 * seed + i), max_tokens=1)
 
 
-def test_blocks_evicted_from_the_device_come_back_from_host_ram(checkpoints, cold):
-    engine = make(checkpoints[3], cpu_cache_size=10**7)
+@pytest.mark.parametrize("policy", ["through", "back"])
+def test_blocks_evicted_from_the_device_come_back_from_host_ram(checkpoints, cold, policy):
+    engine = make(checkpoints[3], cpu_cache_size=10**7, host_write_policy=policy)
     ids = prompt(1)
     run(engine, "first", ids)
+    full = (len(ids) - 1) // BS * BS
+    # write-through: copied as computed (prompt and answer blocks); write-back: nothing until evicted
+    written = engine.snapshot()["tiers"]["host"]["written"]
+    assert written >= full // BS if policy == "through" else written == 0
     evict_everything(engine, 1)
     assert engine.cache.match(ids, b"", record_stats=False).num_tokens == 0  # nothing left on the device
     got = run(engine, "again", ids)
-    full = (len(ids) - 1) // BS * BS
-    assert got[2].cached_tokens == full and got[2].tier_tokens == {"host": full}
+    # the full blocks, and the prompt's last tokens (all but the one computed) from the block holding them
+    # with the first answer's tokens
+    assert got[2].cached_tokens == len(ids) - 1 and got[2].tier_tokens == {"host": len(ids) - 1}
     same_answer(got, cold(ids))
     host = engine.snapshot()["tiers"]["host"]
-    assert host["hits"] == full // BS and host["read_bytes"] == host["hits"] * engine.pool.layout.nbytes
+    assert host["hits"] == full // BS + 1 and host["read_bytes"] == host["hits"] * engine.pool.layout.nbytes
 
 
 def test_a_restarted_engine_hits_what_it_wrote_to_disk(checkpoints, cold, tmp_path):
@@ -142,8 +148,41 @@ def test_a_block_missing_from_every_tier_is_recomputed_alone(checkpoints, cold, 
     reader.close()
 
 
+def test_a_prompt_leaving_a_host_ram_prompt_inside_a_block_reuses_that_block_s_shared_tokens(checkpoints, cold):
+    """As the pool copies a partially shared block, a host hit loads the held block that starts like the
+    prompt's next block and computes only from where they part."""
+    engine = make(checkpoints[3], cpu_cache_size=10**7)
+    ids = prompt(12)
+    run(engine, "first", ids)
+    evict_everything(engine, 12)
+    shared = 16 * BS + 2  # two tokens into block 16
+    other = ids[:shared] + prompt(13)[:5]
+    assert other[shared] != ids[shared]
+    got = run(engine, "other", other)
+    assert got[2].cached_tokens == shared and got[2].tier_tokens == {"host": shared}
+    same_answer(got, cold(other))
+
+
+@pytest.mark.parametrize("policy", ["through", "back"])
+def test_write_through_to_host_ram_copies_nothing_when_the_pool_evicts(checkpoints, policy):
+    """Write-through copies each block to host RAM once, as it is computed: a host hit whose blocks push
+    fillers out of the pool copies nothing (the fillers were copied when computed, and the hit's own answer
+    repeats the first run's, whose blocks are held); write-back copies the fillers in that step."""
+    engine = make(checkpoints[3], cpu_cache_size=10**7, host_write_policy=policy)
+    ids = prompt(11)
+    run(engine, "first", ids)
+    evict_everything(engine, 11)
+    before = engine.snapshot()["tiers"]["host"]["written"]
+    got = run(engine, "again", ids)
+    loaded = got[2].tier_tokens["host"] // BS
+    copied = engine.snapshot()["tiers"]["host"]["written"] - before
+    assert loaded > 0
+    assert copied == 0 if policy == "through" else copied >= loaded
+
+
 def test_write_back_keeps_on_disk_only_what_host_ram_pushes_out(checkpoints, tmp_path):
-    engine = make(checkpoints[3], cpu_cache_size=10 * 2048, disk_cache_dir=str(tmp_path), disk_write_policy="back")
+    engine = make(checkpoints[3], cpu_cache_size=10 * 2048, disk_cache_dir=str(tmp_path), disk_write_policy="back",
+                  host_write_policy="back")
     ids = prompt(5)
     run(engine, "first", ids)
     assert engine.tiers.disk.writer.flush(10) and not disk_files(tmp_path)  # nothing written through

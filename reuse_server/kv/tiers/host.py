@@ -1,4 +1,4 @@
-"""L1: blocks evicted from the device pool, kept in host RAM under their block hash, least recently used
+"""L1: blocks computed in (write-through) or evicted from (write-back) the device pool, kept in host RAM under their block hash, least recently used
 out first. On a CUDA server the copies go device -> host without the engine waiting for them
 (KVPool.export_blocks_async); on a CPU-only server the device pool and this tier are the same RAM, so it is
 a larger extension of the pool that costs a copy to get back into it (a memcpy per block, against
@@ -45,6 +45,7 @@ class HostTier:
         self.stats = TierStats()
         self._entries: OrderedDict[bytes, BlockEntry] = OrderedDict()
         self._batches: dict[int, _Batch] = {}  # buffer identity -> its rows held
+        self._children: dict[bytes, set[bytes]] = {}  # parent hash -> hashes held continuing it
         self._bytes = 0  # sum of the held batches' whole sizes
         self._lock = threading.Lock()  # /metrics reads sizes from another thread
 
@@ -64,6 +65,12 @@ class HostTier:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
 
+    def children(self, parent_hash: bytes) -> list[BlockEntry]:
+        """The held blocks whose parent is `parent_hash` (a prompt's possible next blocks), without counting a
+        read or moving them in the LRU order."""
+        with self._lock:
+            return [self._entries[h] for h in self._children.get(parent_hash, ())]
+
     def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
         """contiguous: stop at the first block not held (only an unbroken run is any use)."""
         found = {}
@@ -78,6 +85,13 @@ class HostTier:
                     self.stats.read_bytes += entry.nbytes
         return found
 
+    def touch(self, hashes: list[bytes]) -> None:
+        """The blocks held among `hashes` become the most recently used, in that order."""
+        with self._lock:
+            for h in hashes:
+                if h in self._entries:
+                    self._entries.move_to_end(h)
+
     def put(self, entries: list[BlockEntry]) -> None:
         evicted = []
         with self._lock:
@@ -88,6 +102,7 @@ class HostTier:
                     entry = dataclasses.replace(entry, kv=entry.payload().clone(), copied=None)
                 self._drop(entry.hash)
                 self._entries[entry.hash] = entry
+                self._children.setdefault(entry.parent_hash, set()).add(entry.hash)
                 self._hold(entry)
                 self.stats.written += 1
                 self.stats.written_bytes += entry.nbytes
@@ -122,6 +137,10 @@ class HostTier:
 
     def _let_go(self, entry: BlockEntry) -> None:
         """entry is no longer held: its batch goes with its last row, or its few remaining rows move out."""
+        siblings = self._children[entry.parent_hash]
+        siblings.discard(entry.hash)
+        if not siblings:
+            del self._children[entry.parent_hash]
         key, _ = _buffer_of(entry)
         batch = self._batches[key]
         batch.rows.discard(entry.hash)

@@ -1,9 +1,12 @@
 """The tiers below the device pool, as the engine sees them: where evicted blocks go, where new blocks are
 written, and where a prompt's missing blocks are looked for (host RAM, then disk, then Redis, by block hash).
 
-- It listens to the radix cache (radix.events): a block evicted from the device pool is copied out to host
-  RAM (or, without one and with write-back, to disk) while its KV is still intact; every new full block is
-  written through to disk (unless `write_policy` is "back": then only what host RAM evicts) and to Redis.
+- It listens to the radix cache (radix.events): every new full block is copied to host RAM as it is computed
+  (`host_write_policy` "through", as vLLM's CPU offloading and LMCache store what they compute), so the pool
+  evicts it later without a copy in the step that needs its id, often a tier hit's; with "back" a block is
+  copied out when the pool evicts it (host RAM then holds more distinct blocks). Without host RAM, with
+  write-back, evicted blocks go to disk. Every new full block is written through to disk (unless
+  `write_policy` is "back": then only what host RAM evicts) and to Redis.
 - `fetch` finds a prompt's blocks: those continuing its cached chain (the block manager loads them into the
   pool and files them in the radix tree, which only the block manager changes: prefetch, the chunk index and
   every admission), or blocks anywhere after a hole (a block in no tier), which the block manager loads into
@@ -46,16 +49,18 @@ class Found(NamedTuple):
 class KVTiers:
     def __init__(self, pool: KVPool, host: Tier | None = None, disk: Tier | None = None, remote: Tier | None = None,
                  write_policy: str = "through",
-                 dtype: torch.dtype | None = None, fetch: str = "auto"):
+                 dtype: torch.dtype | None = None, fetch: str = "auto", host_write_policy: str = "through"):
         """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
         and back."""
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {write_policy!r}; choose {', '.join(WRITE_POLICIES)}")
+        for policy in (write_policy, host_write_policy):
+            if policy not in WRITE_POLICIES:
+                raise ValueError(f"unknown write policy {policy!r}; choose {', '.join(WRITE_POLICIES)}")
         self.pool = pool
         self.host, self.disk, self.remote = host, disk, remote
         self.levels: list[Tier] = [t for t in (host, disk, remote) if t is not None]
         self.lookups = {t.name: Lookups() for t in self.levels}  # this class's counts; each tier writes its own stats
         self.write_policy = write_policy
+        self.host_write_policy = host_write_policy
         self.dtype = dtype
         self.layout = pool.layout_for(dtype)
         self.costs = FetchCosts(pool.block_size, always=fetch == "always")
@@ -73,14 +78,21 @@ class KVTiers:
 
     # ---- the radix cache's listener --------------------------------------------------------
     def stored(self, records: list[BlockRecord]) -> None:
-        targets = [t for t in (self.disk if self.write_policy == "through" else None, self.remote) if t is not None]
+        through = (self.host if self.host_write_policy == "through" else None,
+                   self.disk if self.write_policy == "through" else None, self.remote)
+        targets = [t for t in through if t is not None]
         if targets:
             self._copy_out([r for r in records if r.named], targets)
 
     def removed(self, records: list[BlockRecord]) -> None:
+        records = [r for r in records if r.named]
         target = self.host or (self.disk if self.write_policy == "back" else None)
-        if target is not None:
-            self._copy_out([r for r in records if r.named], [target])
+        if target is None:
+            return
+        if target is self.host and self.host_write_policy == "through":
+            # already copied when computed: now that RAM is their only copy they count as just used there
+            self.host.touch([r.hash for r in records])
+        self._copy_out(records, [target])  # what RAM lacks (it let it go since, or it was never whole)
 
     def _copy_out(self, records: list[BlockRecord], targets: list) -> None:
         """Copy the blocks' KV out of the pool now (their ids may be handed out right after) and give it to
@@ -145,6 +157,28 @@ class KVTiers:
             self.lookups[tier.name].hits += sum(f.tier == tier.name for f in found.values())
         return found
 
+    def partial(self, parent_hash: bytes, tokens: list[int]) -> "tuple[Found, int] | None":
+        """The held block continuing `parent_hash` whose tokens start the most like `tokens` (a prompt that
+        leaves a cached one inside this block), and how many of them it shares; None if none shares any.
+        Only host RAM is asked: it finds a block's children without a read."""
+        if self.host is None or not self.costs.worth_fetching(self.host.name):
+            return None
+        want = as_token_array(tokens).tobytes()
+        best, shared = None, 0
+        for entry in self.host.children(parent_hash):
+            n = _shared_tokens(entry.tokens, want)
+            if n > shared:
+                best, shared = entry, n
+        if best is None:
+            return None
+        lookups = self.lookups[self.host.name]
+        lookups.queries += 1
+        entry = self.host.get([best.hash]).get(best.hash)  # counted as read, and now the most recently used
+        if entry is None:
+            return None
+        lookups.hits += 1
+        return Found(self.host.name, entry), shared
+
     @staticmethod
     def _leading_run(ask: list[Wanted], missing: list[Wanted]) -> list[Wanted]:
         """The asked blocks that could still extend an unbroken run: those before the first missing block
@@ -207,3 +241,13 @@ class KVTiers:
             stats.update(blocks=tier.num_blocks, bytes=tier.used_bytes, write_queue_bytes=tier.write_queue_bytes)
             out[tier.name] = stats
         return out
+
+
+def _shared_tokens(held: bytes, wanted: bytes) -> int:
+    """How many leading int32 tokens two token strings share."""
+    n = 0
+    for i in range(0, min(len(held), len(wanted)), 4):
+        if held[i:i + 4] != wanted[i:i + 4]:
+            break
+        n += 1
+    return n
