@@ -409,6 +409,7 @@ def serve(args: argparse.Namespace) -> int:
     from reuse_server.api.app import create_app
     from reuse_server.api.settings import ServerSettings
     from reuse_server.engine.async_engine import AsyncEngine
+    from reuse_server.server.library_pages import release_library_pages
     from reuse_server.server.serving import DrainingServer
 
     from reuse_server.api.auth import ApiKeys
@@ -428,6 +429,7 @@ def serve(args: argparse.Namespace) -> int:
                                                      responses=responses))
     # ws="none": no route takes a WebSocket, and uvicorn would otherwise import the websockets library
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="none")
+    release_library_pages()  # the last start-up work is done: what requests use faults back in
     DrainingServer(config, engine, args.shutdown_timeout).run()
     return 0
 
