@@ -6,17 +6,21 @@ decoding `--tokens` tokens after a short prompt:
 - forward_ms: the runner's forward alone (inputs built, layers, head), uninstrumented;
 - then one more pass with timers around the parts (each timed inclusive of its own Python call): linear
   (the quantized products and the head), attention (the CPU kernel and its plan), kv_write (the pool's store),
-  norm_rope (RMSNorm, RoPE, the SiLU gating), embed; python_dispatch is the uninstrumented forward minus
-  those; scheduler (schedule + update, less the detokenizer), sampler, detokenizer.
-Over HTTP, a server (`reuse-server serve`, same weights and threads) streams `--tokens` tokens to one client:
-http_ms is the time between its first and last streamed token per token (best of --repeats), and http_overhead_ms = http_ms -
-step_ms is what the async engine, the API and SSE (and the client) add per token.
+  norm_rope (RMSNorm, RoPE, the SiLU gating), fused_layers (the fused decode: every layer of a decode step in
+  one native call, its plan included), embed; python_dispatch is the uninstrumented forward minus those;
+  scheduler (schedule + update, less the detokenizer), sampler, detokenizer.
+A row with the fused decode (fused: true; fused_steps counts the steps it ran), then one with the per-op path
+(fused: false), both from one engine whose timed repeats alternate; --no-fused: only the per-op row.
+Over HTTP, per row a server (`reuse-server serve`, same weights and threads, KV_REUSE_FUSED_DECODE as the row
+says) streams `--tokens` tokens to one client: http_ms is the time between its first and last streamed token
+per token (best of --repeats), and http_overhead_ms = http_ms - step_ms is what the async engine, the API and
+SSE (and the client) add per token.
 Then 8 concurrent streams over HTTP (mean per-stream ms/token), and the memory read bandwidth of this
 machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set).
 With --products, only the model's quantized products of one decode step, replayed on 1 and --threads threads
 through this tree's kernels and any other builds given (--library), alternating in one process.
 
-    .venv/bin/python -m benchmarks.bench_decode [--tokens 128] [--threads 2] [--no-http]
+    .venv/bin/python -m benchmarks.bench_decode [--tokens 128] [--threads 2] [--no-http] [--no-fused]
     .venv/bin/python -m benchmarks.bench_decode --products [--library OTHER_BUILD.so ...]
 
 Prints JSON lines. The CPU is shared: compare figures within one run.
@@ -79,18 +83,24 @@ class Timers:
         self._undo.clear()
 
 
-def engine_breakdown(args) -> dict:
+def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
+    """Per mode (True: decode steps' layers fused, False: the per-op path), the figures above, both modes in
+    one engine and its model, their timed repeats alternating."""
     import torch
     from reuse_server.engine.builder import build_engine
     from reuse_server.engine.config import EngineConfig
-    from reuse_server.engine.detokenizer import IncrementalDetokenizer
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
-    from reuse_server.kv.pool import KVPool
-    from reuse_server.model import cpu_attention, cpu_linear, cpu_ops, llama, quant_linear, rope
+    from reuse_server.model import cpu_linear, quant_linear
 
     engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
+    runner = engine.runner
+    model = runner.model
+
+    def use(fused: bool) -> None:
+        if model.use_fused_decode(fused) != fused:
+            raise SystemExit(f"the fused decode does not run {args.weight_dtype} weights here (try --no-fused)")
 
     def decode_steps(tag: str, n: int) -> float:
         engine.add_request(tag, prompt, params, CacheOptions(prefix_cache=False))
@@ -103,7 +113,6 @@ def engine_breakdown(args) -> dict:
         engine.abort(tag)
         return elapsed / n
 
-    runner = engine.runner
     forward_seconds = [0.0]
     original_run = runner.run
 
@@ -115,14 +124,37 @@ def engine_breakdown(args) -> dict:
             forward_seconds[0] += time.perf_counter() - start
 
     runner.run = timed_run
-    steps, forwards = [], []
+    steps, forwards = {m: [] for m in modes}, {m: [] for m in modes}
     for i in range(args.repeats):
-        forward_seconds[0] = 0.0
-        steps.append(decode_steps(f"plain{i}", args.tokens))
-        forwards.append(forward_seconds[0] / (args.tokens + 4))  # the 4 warm-up steps ran through it too
-    best = min(range(args.repeats), key=steps.__getitem__)  # the run the shared CPU disturbed least
-    step_s, forward_s = steps[best], forwards[best]
+        for fused in modes if i % 2 == 0 else modes[::-1]:
+            use(fused)
+            forward_seconds[0] = 0.0
+            steps[fused].append(decode_steps(f"plain{i}-{fused}", args.tokens))
+            forwards[fused].append(forward_seconds[0] / (args.tokens + 4))  # the 4 warm-up steps ran through it too
     runner.run = original_run
+
+    rows = {}
+    for fused in modes:
+        use(fused)
+        best = min(range(args.repeats), key=steps[fused].__getitem__)  # the run the shared CPU disturbed least
+        rows[fused] = dict(step_ms=round(1e3 * steps[fused][best], 2),
+                           forward_ms=round(1e3 * forwards[fused][best], 2))
+        rows[fused].update(timed_parts(args, engine, decode_steps, forwards[fused][best], f"timed-{fused}"))
+
+    kernels = (quant_linear.NativeQuantLinear, cpu_linear.NativeLinear)
+    for row in rows.values():
+        row["linear_calls_per_step"] = sum(isinstance(m, kernels) for m in model.modules()) + (
+            model.packed_head is not None)
+        row["threads"] = torch.get_num_threads()
+    return rows
+
+
+def timed_parts(args, engine, decode_steps, forward_s: float, tag: str) -> dict:
+    """One more decode pass with timers around the parts (module docstring); fused_layers: the fused decode's
+    layers (in the per-op path: linear, attention, kv_write and norm_rope instead)."""
+    from reuse_server.engine.detokenizer import IncrementalDetokenizer
+    from reuse_server.kv.pool import KVPool
+    from reuse_server.model import cpu_attention, cpu_linear, cpu_ops, fused_decode, llama, quant_linear
 
     timers = Timers()
     timers.wrap(quant_linear.NativeQuantLinear, "forward", "linear")
@@ -133,32 +165,27 @@ def engine_breakdown(args) -> dict:
     timers.wrap(llama.RMSNorm, "forward", "norm_rope")
     timers.wrap(llama, "apply_rotary", "norm_rope")
     timers.wrap(cpu_ops.NativeOps, "silu_mul", "norm_rope")
+    timers.wrap(fused_decode.FusedDecode, "run", "fused_layers")
     timers.wrap(llama.LlamaModel, "embed", "embed")
-    timers.wrap(runner, "run", "forward")
+    timers.wrap(engine.runner, "run", "forward")
     timers.wrap(engine.sampler, "sample", "sampler")
     timers.wrap(engine.scheduler, "schedule", "scheduler")
     timers.wrap(engine.scheduler, "update", "scheduler")
     timers.wrap(IncrementalDetokenizer, "add", "detokenizer")
     timers.wrap(engine, "step", "step")
-    decode_steps("timed", args.tokens)
+    decode = engine.runner.model.backend.decode
+    calls = decode.calls if decode is not None else 0
+    decode_steps(tag, args.tokens)
     timers.restore()
-    per = {k: 1e3 * v / args.tokens for k, v in timers.seconds.items()}
-    kernels = sum(per.get(k, 0.0) for k in ("linear", "attention", "kv_write", "norm_rope", "embed"))
-    row = dict(
-        step_ms=round(1e3 * step_s, 2), forward_ms=round(1e3 * forward_s, 2),
-        linear_ms=round(per["linear"], 2), attention_ms=round(per["attention"], 2),
-        kv_write_ms=round(per["kv_write"], 2), norm_rope_ms=round(per["norm_rope"], 2),
-        embed_ms=round(per["embed"], 2),
-        python_dispatch_ms=round(1e3 * forward_s - kernels, 2),
+    per = defaultdict(float, {k: 1e3 * v / args.tokens for k, v in timers.seconds.items()})
+    parts = ("linear", "attention", "kv_write", "norm_rope", "fused_layers", "embed")
+    return dict(
+        **{f"{part}_ms": round(per[part], 2) for part in parts},
+        python_dispatch_ms=round(1e3 * forward_s - sum(per[part] for part in parts), 2),
         scheduler_ms=round(per["scheduler"] - per["detokenizer"], 3), sampler_ms=round(per["sampler"], 3),
         detokenizer_ms=round(per["detokenizer"], 3),
         instrumented_step_ms=round(per["step"], 2),
-        linear_calls_per_step=None,
-        threads=torch.get_num_threads())
-    kernels = (quant_linear.NativeQuantLinear, cpu_linear.NativeLinear)
-    row["linear_calls_per_step"] = sum(isinstance(m, kernels) for m in runner.model.modules()) + (
-        runner.model.packed_head is not None)
-    return row
+        fused_steps=(decode.calls - calls if decode is not None else 0))
 
 
 def product_figures(args) -> list[dict]:
@@ -198,7 +225,7 @@ def product_figures(args) -> list[dict]:
         fn, ys = libraries[name], outputs[name]
         start = time.perf_counter()
         for (m, x), y in zip(calls, ys):
-            fn(x.data_ptr(), x.shape[0], x.stride(0), m.in_features, *m._weights, y.data_ptr(), threads)
+            fn(x.data_ptr(), x.shape[0], x.stride(0), m.in_features, *m.kernel_weights, y.data_ptr(), threads)
         return time.perf_counter() - start
 
     configs = [(name, t) for name in libraries for t in sorted({1, args.threads})]
@@ -214,11 +241,13 @@ def product_figures(args) -> list[dict]:
             for name, t in configs]
 
 
-def http_figures(args) -> dict:
+def http_figures(args, fused: bool) -> dict:
     import openai
     from benchmarks.bench_ttft import server_process, served_model
     from benchmarks.bench_weights import decode
+    from reuse_server.model.fused_decode import ENV
 
+    os.environ[ENV] = "1" if fused else "0"  # the server's model reads it as it packs its weights
     with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--kv-cache-memory", "384MiB") \
             as (url, _proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
@@ -236,6 +265,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="only the per-op path (by default a row for the fused decode, then one for the per-op path)")
     ap.add_argument("--products", action="store_true",
                     help="only time one step's quantized products on 1 and --threads threads (product_figures)")
     ap.add_argument("--library", action="append", default=[],
@@ -251,13 +282,16 @@ def main() -> None:
         for row in product_figures(args):
             emit(**row)
         return
-    row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, tokens=args.tokens,
-               read_gb_s=round(read_bandwidth_gb_s(), 1))
-    row.update(engine_breakdown(args))
-    if not args.no_http:
-        row.update(http_figures(args))
-        row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
-    emit(**row)
+    modes = [False] if args.no_fused else [True, False]
+    read_gb_s = round(read_bandwidth_gb_s(), 1)
+    rows = engine_breakdown(args, modes)
+    for fused in modes:
+        row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, tokens=args.tokens, fused=fused,
+                   read_gb_s=read_gb_s, **rows[fused])
+        if not args.no_http:
+            row.update(http_figures(args, fused))
+            row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
+        emit(**row)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ class StepRows(RowSelection):
         self.last_layer = num_layers - 1
         self.active = torch.arange(bounds[-1][1] if bounds else 0)
 
+    def keeps_all_rows(self, num_rows):
+        """Without a blended slice only the last layer selects, the output rows: all rows in a decode step."""
+        return not self.selections and self.output_rows.tolist() == list(range(num_rows))
+
     def rows(self, layer, q, k, v, meta):
         keep = None
         checking = [(i, sel) for i, sel in self.selections.items() if sel.checks(layer)]

@@ -152,6 +152,16 @@ class KVPool:
             return None, None
         return self._scales[layer, K], self._scales[layer, V]
 
+    def kernel_storage(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Every layer's K/V as stored, [layers, 2, blocks, block_size, kv_heads, head_dim], and its scales (as
+        layer_scales lays them out, one more leading [layers, 2]; None for the plain dtypes): for the native
+        decode (cpu_decode.cpp), which writes a step's K/V itself through the kernels `write` uses, so its writes
+        are `write`'s. None where `write` would not run those kernels: a pool off the CPU, an 8-bit one whose
+        store kernel is not built."""
+        if self.device.type != "cpu" or (self.quantized and self._native_store is None):
+            return None
+        return self._data, self._scales
+
     def gather(self, layer: int, block_table: torch.Tensor, length: int,
                first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions 0..length-1 of the sequence owning block_table: [length, kv_heads, head_dim] each.

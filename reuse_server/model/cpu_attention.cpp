@@ -22,6 +22,7 @@
 
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "cpu_tasks.h"
 
 #include "cpu_vector.h"

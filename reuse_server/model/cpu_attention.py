@@ -35,11 +35,14 @@ class CpuAttentionKernel:
 
     @staticmethod
     def takes(q: torch.Tensor, pool) -> bool:
-        """Whether this call's tensors suit the kernel: fp32 queries on the CPU, a pool stored in fp32, fp16,
-        bf16, fp8 e4m3 or int8, head_dim 16, 32, 64 or 128."""
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and pool.dtype in FORMATS
-                and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128) and q.stride(-1) == 1
-                and q.stride(-2) == pool.head_dim)
+        """Whether this call's tensors suit the kernel: fp32 queries on the CPU, a pool it reads (takes_pool)."""
+        return (q.device.type == "cpu" and q.dtype == torch.float32 and CpuAttentionKernel.takes_pool(pool)
+                and q.stride(-1) == 1 and q.stride(-2) == pool.head_dim)
+
+    @staticmethod
+    def takes_pool(pool) -> bool:
+        """A pool on the CPU stored in fp32, fp16, bf16, fp8 e4m3 or int8, head_dim 16, 32, 64 or 128."""
+        return pool.dtype in FORMATS and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128)
 
     def __call__(self, q: torch.Tensor, plan: "KernelPlan", pool, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:

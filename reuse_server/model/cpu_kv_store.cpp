@@ -14,6 +14,7 @@
 
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_tasks.h"
 
 namespace {

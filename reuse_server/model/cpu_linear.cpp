@@ -10,6 +10,7 @@
 
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_tasks.h"
 #include "cpu_vector.h"
 

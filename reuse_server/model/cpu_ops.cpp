@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_vector.h"
 
 namespace {

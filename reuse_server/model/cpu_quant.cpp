@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "cpu_kernels.h"
 #include "cpu_tasks.h"
 #include "cpu_vector.h"
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
-from . import cpu_attention, cpu_ops, quant_linear
+from . import cpu_attention, cpu_ops, fused_decode, quant_linear
 from .cpu_backend import CpuBackend
 from .cpu_linear import NativeLinear, pack_linear_layers, packer
 from .rope import RotaryEmbedding, apply_rotary
@@ -215,6 +215,11 @@ class RowSelection:
     slices and blending, and blending only chooses rows. At every layer every current token's K/V is written;
     `rows` may then keep some of them for that layer's attention and MLP, and later layers see only those."""
 
+    def keeps_all_rows(self, num_rows: int) -> bool:
+        """Whether every layer keeps all of the forward's num_rows tokens, known before it runs: the forward
+        may then run its layers without asking each (fused_decode). False unless a selection knows it."""
+        return False
+
     def rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> torch.Tensor | None:
         """Called after the layer projected and rotated the current tokens' q [T, heads, d], k and v [T,
@@ -233,6 +238,9 @@ class OutputRows(RowSelection):
 
     def rows(self, layer, q, k, v, meta):
         return self.output_rows if layer == self.last_layer else None
+
+    def keeps_all_rows(self, num_rows):
+        return self.output_rows.tolist() == list(range(num_rows))
 
 
 class LlamaModel(nn.Module):
@@ -266,9 +274,15 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self, kind: str = "native") -> int:
         """Run the linear layers and the output head on weights packed once (see cpu_linear: the native kernel
-        in fp32, oneDNN), each attention's q/k/v projections as one. After this the model is for inference
-        only: its state dict no longer holds the linear weights. Returns the number of linear layers packed (0
-        where it does not apply: GPU, fp16, kind "torch")."""
+        in fp32, oneDNN), each attention's q/k/v projections as one, and decode steps' layers in one native
+        call where they can (use_fused_decode). After this the model is for inference only: its state dict no
+        longer holds the linear weights. Returns the number of linear layers packed (0 where it does not apply:
+        GPU, fp16, kind "torch")."""
+        packed = self._pack_linear_layers(kind)
+        self.use_fused_decode()
+        return packed
+
+    def _pack_linear_layers(self, kind: str) -> int:
         if quant_linear.holds_quantized(self):  # weights held in fewer bits (--weight-dtype): their own kernels
             return quant_linear.pack_quantized(self, kind)
         head = packer(self.embed_tokens.weight, kind)
@@ -302,6 +316,16 @@ class LlamaModel(nn.Module):
         self.backend.attention = cpu_attention.load() if enable else None
         return self.backend.attention is not None
 
+    def use_fused_decode(self, enable: bool | None = None) -> bool:
+        """Run the layers of a decode step in one native call (fused_decode: the same kernels, the same bits)
+        where it takes the step, or, with enable=False, always through the per-op path; None: unless
+        KV_REUSE_FUSED_DECODE=0. Returns whether it is in use: False for a model it cannot run (not packed for
+        the CPU's native kernels, or a family switch it does not implement)."""
+        if enable is None:
+            enable = fused_decode.enabled_by_env()
+        self.backend.decode = fused_decode.FusedDecode.build(self) if enable else None
+        return self.backend.decode is not None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:  # rounded to the model's dtype first, as transformers does
@@ -324,6 +348,10 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T]. Returns the final-normed hidden states of the rows that come out of the
         last layer: all T, or those `select` keeps."""
         hidden = self.embed(input_ids)
+        decode = self.backend.decode
+        fused = decode.run(hidden, positions, meta, pool, select) if decode is not None else None
+        if fused is not None:
+            return self.final_norm(fused)
         for i, layer in enumerate(self.layers):
             hidden, positions, meta = layer(hidden, positions, meta, pool, i, select)
         return self.final_norm(hidden)

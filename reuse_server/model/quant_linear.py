@@ -108,8 +108,9 @@ class NativeQuantLinear(nn.Module):
         self.__dict__["mins"] = None if weight.mins is None else by_panel(weight.mins.to(dtype))
         self.__dict__["bias"] = None if bias is None else F.pad(bias.detach().float(), (0, pad)).contiguous()
         self.__dict__["_fn"] = library.kv_quant_linear_f32
-        # The kernel's arguments that never change, looked up once (a decode step makes ~150 calls).
-        self.__dict__["_weights"] = (
+        # The kernel's arguments that never change, looked up once (a decode step makes ~150 calls); the fused
+        # decode (fused_decode.py) hands them to the same kernel from C++.
+        self.__dict__["kernel_weights"] = (
             _FORMATS[self.kind], self.codes.data_ptr(), _ptr(self.scales), _ptr(self.mins),
             int(self.scales is not None and self.scales.dtype == torch.float16), self.group, _ptr(self.bias),
             self.out_features)
@@ -125,7 +126,7 @@ class NativeQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = fp32_rows(x, self.in_features, "NativeQuantLinear")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        status = self._fn(x.data_ptr(), x.shape[0], x.stride(0), self.in_features, *self._weights, y.data_ptr(),
+        status = self._fn(x.data_ptr(), x.shape[0], x.stride(0), self.in_features, *self.kernel_weights, y.data_ptr(),
                           torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the quantized linear kernel does not take {self.kind} group={self.group}")

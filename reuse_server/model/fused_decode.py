@@ -1,0 +1,202 @@
+"""A decode step's decoder layers in one native call (cpu_decode.cpp) instead of the per-op path's dozen ctypes
+calls and torch ops per layer, whose Python costs as much as the kernels at a few rows.
+
+The native code runs the kernels the per-op path (llama.py) calls, in its order, on the same values: the
+logits and the pool's K/V are that path's bit for bit. It takes a forward whose tokens are all decode rows
+(one query token per sequence, at most MAX_ROWS) that every layer keeps, over a pool it writes as
+KVPool.write does; any other step runs the per-op path, where the model's arithmetic is written once. It
+serves a Llama-style model packed for the CPU (LlamaModel.pack_for_cpu) whose products are all native
+(fp32 panels or quantized codes), without q/k norms, Gemma's extra norms and GeGLU, or a second RoPE base.
+KV_REUSE_FUSED_DECODE=0 turns it off."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+
+import torch
+
+from . import native
+from .cpu_attention import FORMATS, CpuAttentionKernel, KernelPlan
+from .cpu_linear import NativeLinear
+from .quant_linear import NativeQuantLinear
+
+ENV = "KV_REUSE_FUSED_DECODE"
+# The most decode rows a fused step takes: the scratch buffers are sized for it, and a bigger batch spends
+# little of its step in Python.
+MAX_ROWS = 64
+FP32_PANELS = -1  # cpu_decode.cpp's format of fp32 panels; the quantized ones are kv_quant_linear_f32's
+# The pools whose writes cpu_decode.cpp makes as KVPool.write does (the attention kernel's codes): fp16 and
+# bf16 would need torch's rounding of the stored values.
+POOL_FORMATS = {dtype: FORMATS[dtype] for dtype in (torch.float32, torch.float8_e4m3fn, torch.int8)}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+# ctypes mirrors of cpu_decode.cpp's structures, field for field.
+class _Linear(ctypes.Structure):
+    _fields_ = [("format", _I), ("weights", _P), ("scales", _P), ("mins", _P), ("half_scales", _I), ("group", _I),
+                ("bias", _P), ("in_features", _I), ("out_features", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("window", _I)]
+
+
+SCRATCH = ("normed", "qkv", "qk", "kv", "attn", "proj", "gate_up", "act")
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer))] + \
+               [(name, _P) for name in SCRATCH]
+
+
+class _Pool(ctypes.Structure):
+    _fields_ = [("data", _P), ("scales", _P), ("format", _I), ("layer_bytes", _I), ("plane_bytes", _I),
+                ("scale_layer", _I), ("scale_plane", _I), ("block_size", _I)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I), ("slots", _P), ("cos", _P), ("sin", _P), ("num_seqs", _I), ("seq_info", _P),
+                ("block_tables", _P), ("positions", _P)]
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class FusedDecode:
+    """The model's layers as cpu_decode.cpp takes them (weight pointers, shapes, scratch), built once; `calls`
+    counts the steps it ran."""
+
+    def __init__(self, model, layers: list[_Layer]):
+        config = model.config
+        self._fn = native.load().kv_decode_layers
+        self._backend = model.backend  # its attention kernel may be switched off after this is built
+        self._rotary = model.rotary
+        self.num_layers, self.heads, self.kv_heads = config.num_layers, config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        # What owns the memory behind the pointers, held so that replacing a module or a parameter later cannot
+        # free it.
+        self._held = [(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                       layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                      for layer in model.layers]
+        self._layers = (_Layer * len(layers))(*layers)
+        self._scratch = self._scratch_buffers(config)
+        self._decoder = _Decoder(config.num_layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
+                                 config.intermediate_size, config.rms_norm_eps, config.attention_scale, self._layers,
+                                 *(self._scratch[name].data_ptr() for name in SCRATCH))
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Pool, or None: not taken
+        self._busy = threading.Lock()  # one step at a time uses the scratch; another runs the per-op path
+        self.calls = 0
+
+    @classmethod
+    def build(cls, model) -> "FusedDecode | None":
+        """For a model packed for the CPU (pack_for_cpu) whose every layer it can run; None otherwise."""
+        config = model.config
+        if (native.load() is None or model.backend.ops is None or config.qk_norm or config.sandwich_norms
+                or model.local_rotary is not None or not _rope_runs(model.backend.ops, config.head_dim)):
+            return None
+        layers = [_layer(layer, config) for layer in model.layers]
+        return None if any(layer is None for layer in layers) else cls(model, layers)
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta, pool, select=None) -> torch.Tensor | None:
+        """The last layer's output (before the final norm) for the embedded tokens hidden [T, hidden_size],
+        their K/V written into every layer of the pool at meta.slot_mapping; None, having done nothing, for a
+        step it does not take."""
+        rows = hidden.shape[0]
+        if not (1 <= rows <= MAX_ROWS and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+                and self._backend.attention is not None and meta.query_start == list(range(rows + 1))
+                and (select is None or select.keeps_all_rows(rows))):
+            return None
+        layout = self._pool(pool)
+        if layout is None or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            return self._step(hidden, positions, meta, pool, layout)
+        finally:
+            self._busy.release()
+
+    def _step(self, hidden, positions, meta, pool, layout: _Pool) -> torch.Tensor:
+        rows = hidden.shape[0]
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        lowest, highest = torch.aminmax(slots)
+        if int(lowest) < 0 or int(highest) >= pool.num_slots:
+            raise ValueError(f"slots must lie in [0, {pool.num_slots})")
+        plan = KernelPlan(meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size,
+                          pool.num_blocks)
+        cos, sin = self._rotary.cos_sin(positions, torch.float32)
+        step = _Step(rows, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), plan.num_sequences,
+                     plan.seq_info.data_ptr(), plan.block_tables.data_ptr(), plan.positions.data_ptr())
+        out = hidden.clone(memory_format=torch.contiguous_format)
+        status = self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout), ctypes.byref(step),
+                          torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"the fused decode's kernels did not take layer {status - 1}'s arguments")
+        self.calls += 1
+        return out
+
+    def _pool(self, pool) -> _Pool | None:
+        """The pool's storage as cpu_decode.cpp takes it, worked out once per pool; None for a pool it does
+        not write: a hybrid model's (each layer routed to a pool of its own), another dtype or shape."""
+        if pool.layered:
+            return None
+        if pool not in self._pools:
+            self._pools[pool] = self._pool_layout(pool)
+        return self._pools[pool]
+
+    def _pool_layout(self, pool) -> _Pool | None:
+        storage = pool.kernel_storage()
+        if (storage is None or pool.dtype not in POOL_FORMATS or not CpuAttentionKernel.takes_pool(pool)
+                or (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (self.num_layers, self.kv_heads,
+                                                                          self.head_dim)):
+            return None
+        data, scales = storage
+        size = data.element_size()
+        return _Pool(data.data_ptr(), None if scales is None else scales.data_ptr(), POOL_FORMATS[pool.dtype],
+                     data.stride(0) * size, data.stride(1) * size, 0 if scales is None else scales.stride(0),
+                     0 if scales is None else scales.stride(1), pool.block_size)
+
+    def _scratch_buffers(self, config) -> dict[str, torch.Tensor]:
+        heads, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        widths = dict(normed=config.hidden_size, qkv=heads + 2 * kv_width, qk=heads + kv_width, kv=2 * kv_width,
+                      attn=heads, proj=config.hidden_size, gate_up=2 * config.intermediate_size,
+                      act=config.intermediate_size)
+        return {name: torch.empty(MAX_ROWS, widths[name], dtype=torch.float32) for name in SCRATCH}
+
+
+def _rope_runs(ops, head_dim: int) -> bool:
+    """Whether the native RoPE takes this head_dim on this CPU (the per-op path falls back to torch's)."""
+    x, angles = torch.zeros(1, 1, head_dim), torch.zeros(1, head_dim)
+    return ops.rope(x, angles, angles) is not None
+
+
+def _layer(layer, config) -> _Layer | None:
+    """A decoder layer's weights as cpu_decode.cpp takes them; None for a layer it does not run."""
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden, heads, kv_heads = config.hidden_size, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if mlp.gelu or not all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in norms):
+        return None
+    products = (_product(attn.qkv_proj, hidden, heads + 2 * kv_heads), _product(attn.o_proj, heads, hidden),
+                _product(mlp.gate_up_proj, hidden, 2 * config.intermediate_size),
+                _product(mlp.down_proj, config.intermediate_size, hidden))
+    if any(p is None for p in products):
+        return None
+    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0)
+
+
+def _product(module, in_features: int, out_features: int) -> _Linear | None:
+    """A native product's weights as its kernel takes them, if it has these features."""
+    if not isinstance(module, (NativeLinear, NativeQuantLinear)) or \
+            (module.in_features, module.out_features) != (in_features, out_features):
+        return None
+    if isinstance(module, NativeQuantLinear):
+        fmt, codes, scales, mins, half_scales, group, bias, n = module.kernel_weights
+        return _Linear(fmt, codes, scales, mins, half_scales, group, bias, in_features, n)
+    bias = None if module.bias is None else module.bias.data_ptr()
+    return _Linear(FP32_PANELS, module.panels.data_ptr(), None, None, 0, 0, bias, in_features, out_features)
