@@ -181,6 +181,12 @@ void value_chunk(const T* const* vrow, const float* vscale, int keys, const floa
     }
 }
 
+// The rows value_chunk runs for a unit of `rows` rows: whole tiles of its RT.
+inline int64_t pv_tile_rows(int64_t rows, int64_t hd) {
+    const int64_t rt = 24 / (hd / LANES);
+    return (rows + rt - 1) / rt * rt;
+}
+
 struct Problem {
     const float* q;
     int64_t q_token_stride;
@@ -224,8 +230,14 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const int64_t* table = pb.block_tables + info[3];
     const int rv = (int)((u.rows + LANES - 1) / LANES);
 
-    std::memset(qt, 0, sizeof(float) * hd * MAX_ROWS);
-    std::memset(st, 0, sizeof st);  // lanes past the unit's rows are read by the last PV tile, never written
+    // Zeroed: only what is read and not written first (a decode unit has a few rows of the 64 these buffers
+    // hold; zeroing all of them cost more than its attention). The score tiles read q's lanes up to rv vectors;
+    // the PV tiles read rows up to a whole tile (pv_rows): its lanes past rv vectors of the scores, its rows of o.
+    const int64_t lanes = rv * LANES;
+    const int64_t pv_rows = pv_tile_rows(u.rows, hd);
+    for (int d = 0; d < hd; ++d) std::fill(qt + d * MAX_ROWS + u.rows, qt + d * MAX_ROWS + lanes, 0.f);
+    if (pv_rows > lanes)
+        for (int k = 0; k < CHUNK; ++k) std::fill(st + k * MAX_ROWS + lanes, st + k * MAX_ROWS + pv_rows, 0.f);
     float min_hi = INFINITY, max_lo = -INFINITY;
     for (int r = 0; r < MAX_ROWS; ++r) { hi[r] = INFINITY; lo[r] = -INFINITY; }
     for (int64_t r = 0; r < u.rows; ++r) {
@@ -237,7 +249,7 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
         min_hi = std::min(min_hi, hi[r]);
         max_lo = std::max(max_lo, lo[r]);
     }
-    std::memset(o, 0, sizeof(float) * PAD_ROWS * hd);
+    std::memset(o, 0, sizeof(float) * pv_rows * hd);
     for (int r = 0; r < MAX_ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
     const int64_t kv_stride = pb.kv_heads * pb.hd;
 
