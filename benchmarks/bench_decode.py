@@ -16,7 +16,8 @@ says) streams `--tokens` tokens to one client: http_ms is the time between its f
 per token (best of --repeats), and http_overhead_ms = http_ms - step_ms is what the async engine, the API and
 SSE (and the client) add per token.
 Then 8 concurrent streams over HTTP (mean per-stream ms/token), and the memory read bandwidth of this
-machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set).
+machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set). Where `llama-server`
+is on PATH, it serves the same GGUF on the same threads to the same client, at 1 and 8 streams.
 With --products, only the model's quantized products of one decode step, replayed on 1 and --threads threads
 through this tree's kernels and any other builds given (--library), alternating in one process.
 
@@ -258,6 +259,30 @@ def http_figures(args, fused: bool) -> dict:
     return dict(http_ms_b1=round(one, 2), http_ms_b8=round(eight, 2))
 
 
+def llama_server_figures(args) -> dict | None:
+    """llama.cpp's server on the same GGUF and threads, through the same client code (bench_weights): one
+    stream on one slot, then 8 streams on 8 slots; None where `llama-server` is not on PATH."""
+    import shutil
+    import openai
+    from benchmarks.bench_ttft import served_model
+    from benchmarks.bench_weights import decode, llama_server
+    from reuse_server.model.loader import bundled_gguf_path
+
+    binary = shutil.which("llama-server")
+    if binary is None:
+        return None
+    gguf = bundled_gguf_path()
+    row = dict(bench="decode_llama_server", gguf=gguf.name, threads=args.threads)
+    for slots, key in ((1, "http_ms_b1"), (8, "http_ms_b8")):
+        with llama_server(binary, gguf, args.threads, slots, slots * 1024) as (url, _proc):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
+            model = served_model(url)
+            decode(client, model, 1, 4)
+            runs = [decode(client, model, slots, args.tokens) for _ in range(args.repeats if slots == 1 else 1)]
+            row[key] = round(min(runs), 2)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -265,6 +290,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama-server even when it is on PATH")
     ap.add_argument("--no-fused", action="store_true",
                     help="only the per-op path (by default a row for the fused decode, then one for the per-op path)")
     ap.add_argument("--products", action="store_true",
@@ -292,6 +318,8 @@ def main() -> None:
             row.update(http_figures(args, fused))
             row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
         emit(**row)
+    if not args.no_http and not args.no_llama:
+        emit(**(llama_server_figures(args) or dict(bench="decode_llama_server", skipped="not on PATH")))
 
 
 if __name__ == "__main__":
