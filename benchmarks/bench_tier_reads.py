@@ -1,6 +1,10 @@
 """Each KV tier's read path against its own ceiling on this machine, in one process, without a server: the
 blocks of a --length-token prompt of the bundled model (fp32 KV) are read from host RAM, disk (files in the
-page cache) and Redis on loopback into a KV pool, as an admission reads them (KVTiers.fetch, then .load).
+page cache) and Redis on loopback into a KV pool, as an admission reads them: KVTiers.fetch into the pool
+blocks it took (disk files and Redis values land straight in them; host RAM's are copied in). "first read" is
+the tier's first read in the process (a fresh server's first hit pays what it costs once); the others are the
+best of --repeat. The path through the tier's read buffer (fetch, then .load: a copy) is timed too: it is what a
+pool that cannot take reads in place gets (an 8-bit pool's scales, another tier dtype, a hybrid model's pool).
 
 Ceilings: a torch copy of the same bytes into memory already touched (what host RAM can do at best), the
 xxh3-128 checksum on one core, reading the same files into one buffer with os.readv (disk), redis-benchmark
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     entries = [BlockEntry(h, hashes[i - 1] if i else b"\0" * 16, os.urandom(4 * bs), b"", kv[i])
                for i, h in enumerate(hashes)]
     wanted = [Wanted(i, e.hash, e.parent_hash, e.tokens) for i, e in enumerate(entries)]
-    into = list(range(n, 2 * n))
+    into_blocks = list(range(n, 2 * n))
     total = kv.numel()
     common = dict(length=args.length, blocks=n, mb=round(total / 1e6, 1))
 
@@ -80,16 +84,29 @@ def main(argv: list[str] | None = None) -> None:
     row("ceiling: xxh3-128, one core", best(lambda: xxhash.xxh3_128_digest(kv.numpy()), args.repeat))
 
     def read_path(tiers: KVTiers, tier: str) -> None:
+        into = {w.index: n + w.index for w in wanted}
+        start = time.perf_counter()
+        assert len(tiers.fetch(wanted, contiguous=True, into=into)) == n
+        first = time.perf_counter() - start
+        direct = best(lambda: tiers.fetch(wanted, contiguous=True, into=into), args.repeat)
+        assert torch.equal(pool.export_blocks(into_blocks), kv)
+        row(f"{tier}: fetch into the pool (first read)", first)
+        row(f"{tier}: fetch into the pool", direct)
+        pool._data[:, :, n:].zero_()
+        start = time.perf_counter()
+        tiers.load(into_blocks, [f for _, f in sorted(tiers.fetch(wanted, True).items())])
+        row(f"{tier}: fetch into the read buffer + load (first read)", time.perf_counter() - start)
         fetch = best(lambda: tiers.fetch(wanted, contiguous=True), args.repeat)
         found = tiers.fetch(wanted, contiguous=True)
         assert len(found) == n, f"{tier}: {len(found)} of {n} blocks found"
         ordered = [found[i] for i in range(n)]
-        load = best(lambda: tiers.load(into, ordered), args.repeat)
-        both = best(lambda: tiers.load(into, [f for _, f in sorted(tiers.fetch(wanted, True).items())]), args.repeat)
-        assert torch.equal(pool.export_blocks(into), kv)
-        row(f"{tier}: fetch (read, check)", fetch)
-        row(f"{tier}: load (copy into the pool)", load)
-        row(f"{tier}: fetch + load", both)
+        load = best(lambda: tiers.load(into_blocks, ordered), args.repeat)
+        both = best(lambda: tiers.load(into_blocks, [f for _, f in sorted(tiers.fetch(wanted, True).items())]),
+                    args.repeat)
+        assert torch.equal(pool.export_blocks(into_blocks), kv)
+        row(f"{tier}: fetch into the read buffer (read, check)", fetch)
+        row(f"{tier}: load (copy from the read buffer into the pool)", load)
+        row(f"{tier}: fetch into the read buffer + load", both)
 
     host = HostTier(4 * total)
     host.put(entries)

@@ -11,6 +11,18 @@ with a new last question while its blocks sit in each place in turn:
 Each row gives TTFT, the tokens the tier served, the bytes per token moved, and the tier's read bandwidth as
 the server measured it (bytes over seconds in /metrics).
 
+Every server gets the same warm-up before its first measured request: one unrelated 64-token chat (its first
+forward pays the one-time costs of a fresh process). The device and host rows then run on a server that has
+computed long prompts (the cold run and two fillers); the disk and Redis rows are the first long request of
+theirs. A measured request starts once the server's tier writers are idle (what it wrote through of the
+prompts before is on disk and in Redis): the rows time the hit, not the writes of earlier requests. Each
+measured request ends in a question of the same length (8 tokens), so the rows compute the same tokens after
+the cached ones, except for what a tier cannot serve: disk and Redis keep whole blocks only, so the prompt's
+last tokens inside a block are computed (the pool and host RAM copy a partly shared block). For the page-cache
+disk row every file of the folder is read just before the request: that is what the row measures, and a
+kernel may drop file pages it has not seen used for a while (this VM's pages out those unused for about a
+minute).
+
 Part 2 (working set): `reuse-loadgen run --workload multi-turn` (users who leave and come back), first
 against a pool that holds everything (what it caches is the working set), then against a device pool of a
 fifth of that (never less than two of the longest prompts): alone, then with a host tier, a disk tier and a
@@ -30,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -39,6 +52,18 @@ from benchmarks.bench_ttft import TextSource, conversation, emit, server_process
 from reuse_server.server.launcher import redis_process
 
 QUESTION = "In one sentence, what is the main event described above?"
+ASKED = "Which place is named in part {}?"  # every measured row's last line: 8 tokens with each letter
+
+
+def warm_page_cache(folder: str) -> int:
+    """Read every file under folder (into the OS page cache); returns the bytes read."""
+    total = 0
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    total += len(chunk)
+    return total
 
 
 def tier_read(url: str) -> dict:
@@ -61,7 +86,27 @@ def drop_page_cache() -> bool:
         return False
 
 
+def warm_up(client, model, tokenizer, source, rows: str, run: int) -> None:
+    """Every server's first request, the same for each: an unrelated 64-token chat (its TTFT is what a fresh
+    server's first request pays)."""
+    seconds, _ = stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), 2)
+    emit(bench="tiers_warmup", rows=rows, ttft_s=round(seconds, 4), run=run)
+
+
+def writes_settled(url: str, timeout: float = 300.0) -> bool:
+    """Wait until the server's tier writers are idle (every tier's write queue empty, the batch being written
+    included), so that a measured request does not share the CPU with the writes of the prompts before it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tiers = httpx.get(url + "/v1/cache/stats").json()["tiers"]
+        if all(not t.get("write_queue_bytes") for t in tiers.values()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def timed(url, client, model, messages, tier: str, case: str, per_token_bytes: float, **extra) -> dict:
+    writes_settled(url)
     before = tier_read(url)
     seconds, usage = stream_ttft(client, model, messages, 2)
     after = tier_read(url)
@@ -69,7 +114,8 @@ def timed(url, client, model, messages, tier: str, case: str, per_token_bytes: f
     served = getattr(details, "tier_tokens", None) or {}  # an extension field: the openai client keeps it a dict
     read = [after.get(tier, [0, 0])[i] - before.get(tier, [0, 0])[i] for i in (0, 1)]
     row = dict(bench="tiers_ttft", case=case, ttft_s=round(seconds, 4), prompt_tokens=usage.prompt_tokens,
-               cached_tokens=details.cached_tokens, tier_tokens=served.get(tier, 0) if tier != "device" else 0,
+               cached_tokens=details.cached_tokens, computed_tokens=usage.prompt_tokens - details.cached_tokens,
+               tier_tokens=served.get(tier, 0) if tier != "device" else 0,
                bytes_per_token=per_token_bytes, read_mb=round(read[0] / 1e6, 2),
                bandwidth_gb_s=round(read[0] / read[1] / 1e9, 3) if read[1] else None, **extra)
     emit(**row)
@@ -90,26 +136,27 @@ def ttft_part(args, tokenizer) -> list[dict]:
                                 "--disk-cache-dir", disk, "--redis-url", redis) as (url, _):
                 client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
                 model = served_model(url)
-                stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), 2)  # warm-up
+                warm_up(client, model, tokenizer, source, "device, host", run)
                 rows.append(timed(url, client, model, messages, "device", "recompute", args.bytes_per_token, run=run))
-                rows.append(timed(url, client, model, with_last_line(messages, "Who is mentioned first?"),
+                rows.append(timed(url, client, model, with_last_line(messages, ASKED.format("A")),
                                   "device", "device", args.bytes_per_token, run=run))
                 for i in range(2):
                     stream_ttft(client, model, conversation(tokenizer, source, args.length, QUESTION), 1)
-                rows.append(timed(url, client, model, with_last_line(messages, "Where does it happen?"),
+                rows.append(timed(url, client, model, with_last_line(messages, ASKED.format("B")),
                                   "host", "host", args.bytes_per_token, run=run))
-            for case, flags in (("disk (page cache)", ("--disk-cache-dir", disk)),
-                                ("disk (cold)", ("--disk-cache-dir", disk)),
-                                ("redis", ("--redis-url", redis))):
+            for case, letter, flags in (("disk (page cache)", "C", ("--disk-cache-dir", disk)),
+                                        ("disk (cold)", "D", ("--disk-cache-dir", disk)),
+                                        ("redis", "E", ("--redis-url", redis))):
                 if case == "disk (cold)" and not drop_page_cache():
                     continue
                 with server_process(*common, "--kv-cache-memory", "2GiB", *flags) as (url, _):
                     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
                     model = served_model(url)
-                    stream_ttft(client, model, conversation(tokenizer, source, 64, "Hello?"), 2)
-                    question = f"What is said about the weather? ({case})"
-                    rows.append(timed(url, client, model, with_last_line(messages, question), case.split()[0], case,
-                                      args.bytes_per_token, run=run))
+                    warm_up(client, model, tokenizer, source, case, run)
+                    if case == "disk (page cache)":
+                        warm_page_cache(disk)
+                    rows.append(timed(url, client, model, with_last_line(messages, ASKED.format(letter)),
+                                      case.split()[0], case, args.bytes_per_token, run=run))
     for case in dict.fromkeys(r["case"] for r in rows):
         picked = [r["ttft_s"] for r in rows if r["case"] == case]
         emit(bench="tiers_ttft_summary", case=case, ttft_s_median=statistics.median(picked), runs=len(picked))

@@ -11,9 +11,10 @@ This is the one code that changes the radix tree: every chain of full blocks goe
 tail through `file_tail`), whether a sequence publishes the blocks it computed or `store` files blocks no
 sequence computed (loaded from a tier by `load_prefix`, or a blend chunk the chunk index registers).
 Admission is three steps behind one call (`admit`): `load` (the tiers' blocks continuing the cached chain go
-into the tree; blocks after a hole are found), `match` (match and lock the prefix, pick a partially shared
-block) and `allocate` (take the first slice's blocks, copy the shared block in, load the blocks found after
-the hole).
+into the tree: blocks are taken for what the tiers hold, the reads land in them, and the run read whole is
+filed; blocks after a hole that a tier holds are noted), `match` (match and lock the prefix, pick a partially
+shared block) and `allocate` (take the first slice's blocks, copy the shared block in, read the blocks after
+the hole into the sequence's own).
 
 A hybrid model (sliding-window layers beside full-attention ones) keeps its window layers' KV in parts of their
 own (`kv/window_parts.py`), which this class alone changes: every block a sequence takes gets a part, pinned;
@@ -52,10 +53,12 @@ class Admission:
 @dataclass
 class Loaded:
     """What the tiers gave an admission: blocks filed to extend the device's chain (tiers.Found, in chain
-    order) and blocks found after a hole ({block index: tiers.Found}, loaded into the sequence's own blocks)."""
+    order) and blocks after a hole, read into the sequence's own blocks by allocate ({block index: tiers.Found}),
+    from what a tier holds there (`holes`: tiers.Held, or None)."""
 
     prefix: list = field(default_factory=list)
     after_hole: dict = field(default_factory=dict)
+    holes: object = None
 
     def tokens_by_tier(self, block_size: int) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -161,7 +164,7 @@ class BlockManager:
             tokens = self._matchable(seq)
             loaded = self.load(seq, tokens, fill_holes and approximate_namespace is None)
             partial = self.match(seq, tokens, approximate_namespace)
-        if not self.allocate(seq, first_slice_tokens, partial, loaded.after_hole):
+        if not self.allocate(seq, first_slice_tokens, partial, loaded):
             return None
         bs = self.block_size
         by_tier = loaded.tokens_by_tier(bs)
@@ -172,12 +175,11 @@ class BlockManager:
     def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> Loaded:
         """Admission, first: the tiers' blocks continuing the device's cached chain of seq's prompt go into
         the pool and the tree (load_prefix); with fill_holes, the blocks after the first block no cache holds
-        are found too (loaded into seq's own blocks once allocate has taken them)."""
+        that a tier holds are noted (read into seq's own blocks once allocate has taken them)."""
         if self.tiers is None:
             return Loaded()
         chain, pulled = self._load_prefix(tokens, seq.namespace)
-        after_hole = self._after_hole(seq, chain) if fill_holes else {}
-        return Loaded(pulled, after_hole)
+        return Loaded(pulled, holes=self._after_hole(seq, chain) if fill_holes else None)
 
     def match(self, seq: Sequence, tokens: list[int], approximate_namespace: bytes | None
               ) -> PartialMatch | TierPartial | None:
@@ -256,13 +258,15 @@ class BlockManager:
         return 0
 
     def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | TierPartial | None,
-                 after_hole: dict) -> bool:
-        """Admission, last: take blocks for seq's first slice (and up to its last block found after a hole),
-        copy the partially shared block in and load the blocks found after a hole. False (and everything
-        released) when the pool cannot give them."""
+                 loaded: Loaded) -> bool:
+        """Admission, last: take blocks for seq's first slice (and up to its last block a tier holds after a
+        hole), copy the partially shared block in and read the blocks after the hole into seq's own blocks
+        (loaded.holes; loaded.after_hole gets those read: a block whose read failed is computed). False (and
+        everything released) when the pool cannot give them."""
         kv = seq.kv
         first_slice = min(first_slice_tokens, seq.num_tokens - kv.num_computed)
-        end = max(kv.num_computed + first_slice, (max(after_hole) + 1) * self.block_size if after_hole else 0)
+        holes = loaded.holes.blocks if loaded.holes is not None else []
+        end = max(kv.num_computed + first_slice, (holes[-1].index + 1) * self.block_size if holes else 0)
         admitted = self.ensure_capacity(seq, end)
         if isinstance(partial, TierPartial):
             if admitted:  # into the sequence's own block, as below
@@ -276,20 +280,20 @@ class BlockManager:
         if not admitted:
             self.release(seq)
             return False
-        if after_hole:
-            indices = sorted(after_hole)
-            self.tiers.load([kv.block_table[i] for i in indices], [after_hole[i] for i in indices])
-            kv.filled = set(indices)
+        if holes:
+            loaded.after_hole = self.tiers.fetch(holes, contiguous=False, tiers=loaded.holes.tiers,
+                                                 into={w.index: kv.block_table[w.index] for w in holes})
+            kv.filled = set(loaded.after_hole)
         return True
 
-    def _after_hole(self, seq: Sequence, first_missing: int) -> dict:
-        """Blocks of seq's prompt after its first block that no cache holds, found in the tiers: {block
-        index: tiers.Found}."""
+    def _after_hole(self, seq: Sequence, first_missing: int):
+        """The blocks of seq's prompt after its first block that no cache holds, that a tier holds (tiers.Held,
+        in prompt order; allocate reads them), or None."""
         hashes = self.prompt_hashes(seq)
         if first_missing + 1 >= len(hashes):
-            return {}
+            return None
         wanted = self.tiers.wanted(self.cache.hasher, seq.prompt_ids, hashes, seq.namespace, first_missing + 1)
-        return self.tiers.fetch(wanted, contiguous=False)
+        return self.tiers.held(wanted, contiguous=False)
 
     # ---- blocks filled from outside a sequence: the tiers, the chunk index ----------------------------
     def load_prefix(self, tokens: list[int], namespace: bytes) -> dict[str, int]:
@@ -308,24 +312,31 @@ class BlockManager:
         if have >= len(tokens) // bs:
             return have, []
         hashes = self.cache.hasher.hash_blocks(tokens, namespace)
-        found = self.tiers.fetch(self.tiers.wanted(self.cache.hasher, tokens, hashes, namespace, have), contiguous=True)
-        if not found:
+        held = self.tiers.held(self.tiers.wanted(self.cache.hasher, tokens, hashes, namespace, have), contiguous=True)
+        if not held.blocks:
             return have, []
-        ordered = [found[i] for i in range(have, have + len(found))]
+        ordered: list = []
+
+        def fill(blocks: list[int]) -> int:  # read straight into the blocks taken; the run found is filed
+            found = self.tiers.fetch(held.blocks, contiguous=True, tiers=held.tiers,
+                                     into={w.index: b for w, b in zip(held.blocks, blocks)})
+            ordered.extend(found[i] for i in range(have, have + len(found)))
+            return len(ordered)
+
         self.cache.lock(match.node)  # taking blocks must not evict the chain the loaded ones continue
         try:
-            stored = self.store(tokens[:(have + len(ordered)) * bs], lambda blocks: self.tiers.load(blocks, ordered),
-                                namespace, match.block_ids)
+            stored = self.store(tokens[:(have + len(held.blocks)) * bs], fill, namespace, match.block_ids)
         finally:
             self.cache.unlock(match.node)
         return (have + len(ordered), ordered) if stored else (have, [])
 
-    def store(self, tokens: list[int], fill: Callable[[list[int]], None], namespace: bytes,
+    def store(self, tokens: list[int], fill: Callable[[list[int]], int | None], namespace: bytes,
               cached: list[int] = ()) -> bool:
         """File whole blocks of KV that no sequence computed (loaded from a tier, or a blend chunk) in the
         tree: the first len(cached) blocks of `tokens` are the tree's already; blocks are taken for the
-        rest, `fill(block_ids)` writes their KV, and the tree takes them. False (nothing held) when the pool
-        has no room."""
+        rest, `fill(block_ids)` writes their KV, and the tree takes them. fill returns None (it filled them
+        all) or how many of the first it filled (a tier's read came up short): the others go back, and only
+        the filled run is filed. False (nothing held) when the pool has no room or nothing was filled."""
         try:
             blocks = self.cache.allocate(len(tokens) // self.block_size - len(cached))
         except OutOfBlocks:
@@ -334,10 +345,15 @@ class BlockManager:
             self.cache.free(blocks)
             return False
         try:
-            fill(blocks)
+            filled = fill(blocks)
         except BaseException:
             self._free_owned(blocks, pinned=True)
             raise
+        if filled is not None and filled < len(blocks):
+            self._free_owned(blocks[filled:], pinned=True)
+            blocks, tokens = blocks[:filled], tokens[:(len(cached) + filled) * self.block_size]
+            if not blocks:
+                return False
         if self.window is not None:
             self.window.unpin(blocks)  # cached with the tree's blocks: no sequence needs them yet
         self._file(tokens, list(cached) + blocks, namespace)

@@ -208,6 +208,10 @@ class LayeredKVPool:
         """import_blocks for buffers given one by one (KVPool.import_rows)."""
         import_in_runs(self, blocks, rows, layout)
 
+    def read_targets(self, blocks: list[int], layout: GroupedLayout | None = None) -> None:
+        """A block's buffer lies in two pools here: reads go through buffers and import_rows (KVPool.read_targets)."""
+        return None
+
 
 def _overwrite(values: list[torch.Tensor]):
     """An update_keys change that writes `values` (per layer [n, heads, dim]) at the given slots."""

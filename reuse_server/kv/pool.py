@@ -11,7 +11,8 @@ manager); this class only stores and moves tensors.
 Layout: one tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]. Each layer's K (and V) is then
 one contiguous [blocks, block_size, kv_heads, head_dim] array, which is what the attention kernels read in
 place through a block table; one block's KV of every layer is `data[:, :, block]`, which export and import
-move in one strided copy, so a tier gets a block as one contiguous buffer.
+move in one strided copy, so a tier gets a block as one contiguous buffer; a tier's read may also land
+straight in blocks its caller took (read_targets: the views of their memory, in a buffer's order).
 
 Storage dtype (kv_quant.py has the formats): fp32, fp16 or bf16 store K and V as they are; fp8_e4m3 and int8
 store 8-bit values plus fp32 scales, one per (layer, K/V, block, KV head) for fp8 ([layers, 2, blocks, heads])
@@ -73,6 +74,7 @@ class KVPool:
         self._scales = None
         self._native_store = None
         self._staging: PinnedStaging | None = None  # made at the first export from a CUDA pool
+        self._plane_bytes = None  # the data as uint8 planes, for read_targets (made at its first call)
         if self.quantized and native_store and self.device.type == "cpu":
             from reuse_server.model import cpu_kv_store
 
@@ -452,6 +454,21 @@ class KVPool:
                     or row.device.type != "cpu":
                 raise ValueError(f"expected uint8 [{nbytes}] block buffers, got {row.dtype} {tuple(row.shape)}")
         native.copy_blocks(self._data, blocks, [row.data_ptr() for row in rows], to_pool=True)
+
+    def read_targets(self, blocks: list[int], layout: BlockLayout | None = None) -> "list[list] | None":
+        """Where a read may put whole block buffers straight into the pool (a tier's file or socket read, with
+        no buffer in between and no copy after): per block, writable views of its memory (uint8 numpy arrays,
+        one per layer's K and V, in the order of export_blocks' row), which together take what import_rows
+        would write. The caller owns the blocks and uses one only once its read is checked (a failed read
+        leaves whatever came). None where a block buffer is not the pool's bytes as they lie (another layout,
+        an 8-bit pool's scales, memory not on the CPU): read into buffers and import_rows them then."""
+        if ((layout is not None and layout != self.layout) or self._scales is not None or self.device.type != "cpu"
+                or not self._data.is_contiguous()):
+            return None
+        if self._plane_bytes is None:
+            # [layers * 2, blocks, one block's bytes of one layer's K or V]: each [plane, block] row is contiguous
+            self._plane_bytes = self._data.view(torch.uint8).numpy().reshape(self.num_layers * 2, self.num_blocks, -1)
+        return [list(self._plane_bytes[:, block]) for block in blocks]
 
 
 def import_in_runs(pool, blocks: list[int], rows: list[torch.Tensor], layout=None) -> None:

@@ -1,4 +1,4 @@
-"""The block manager on a real radix cache, KV pool and host tier, with no model: the step's forward is
+"""The block manager on a real radix cache, KV pool and host tier (or disk), with no model: the step's forward is
 played by writing each token's KV as (token, position) through the pool, so every block's content says
 which tokens at which positions it holds."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 from reuse_server.engine.sequence import Sequence
 from reuse_server.kv.block_manager import BlockManager
 from reuse_server.kv.pool import KVPool
-from reuse_server.kv.tiers import HostTier, KVTiers
+from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers
 
 BS = 4
 SEED = 20261201
@@ -24,9 +24,14 @@ SEED = 20261201
 class Rig:
     """A block manager over a pool of `num_blocks` blocks, optionally with a host RAM tier below it."""
 
-    def __init__(self, num_blocks: int = 16, host: bool = False):
+    def __init__(self, num_blocks: int = 16, host: bool = False, disk=None):
         self.pool = KVPool(num_layers=1, num_blocks=num_blocks, block_size=BS, num_kv_heads=1, head_dim=2)
-        self.tiers = KVTiers(self.pool, host=HostTier(10**8)) if host else None
+        self.tiers = None
+        if host:
+            self.tiers = KVTiers(self.pool, host=HostTier(10**8))
+        elif disk is not None:  # a folder
+            ctx = BlobContext("ab" * 16, BS, "xxh3_128", self.pool.layout.describe(), self.pool.layout.nbytes)
+            self.tiers = KVTiers(self.pool, disk=DiskTier(disk, 10**8, ctx))
         self.cache = RadixCache(num_blocks, BS, identity=b"unit", listener=self.tiers)
         self.blocks = BlockManager(self.cache, BS, True, self.pool.copy_blocks, self.pool.clear_blocks, self.tiers)
         self.ids = 0
@@ -170,6 +175,51 @@ def test_after_a_hole_only_the_hole_is_computed():
     assert torch.equal(rig.keys(b, 24), want)
     rig.compute(b)  # the last token
     rig.blocks.release(b)
+    rig.accounting()
+
+
+def test_a_tier_read_that_comes_up_short_files_the_run_before_it_and_gives_the_rest_back(tmp_path):
+    """A chain's blocks are taken before the read (it lands in them). A damaged block ends the run: the
+    blocks before it are filed, those taken for the rest go back; the blocks after it are then read into the
+    sequence's own blocks (after the hole), and only the damaged one is computed."""
+    rig = Rig(num_blocks=16, disk=tmp_path)
+    disk = rig.tiers.disk
+    p = prompt(25, 9)  # six full matchable blocks
+    a = rig.seq(p)
+    rig.blocks.admit(a, 100)
+    rig.compute(a)
+    want = rig.keys(a, 24)
+    rig.blocks.release(a)
+    assert disk.writer.flush(10) and disk.num_blocks >= 6
+    rig.cache.reset_prefix_cache()
+    damaged = disk._path(rig.cache.hasher.hash_blocks(p[:24], b"")[2])
+    data = bytearray(damaged.read_bytes())
+    data[-30] ^= 1
+    damaged.write_bytes(bytes(data))
+    b = rig.seq(p)
+    admission = rig.blocks.admit(b, 100)
+    assert admission.cached_tokens == 8 + 12 and admission.by_tier == {"disk": 20}  # blocks 0-1, then 3-5
+    assert rig.cache.match(p, b"", record_stats=False).num_tokens == 8  # the run before the damaged block
+    assert b.kv.filled == {3, 4, 5} and disk.stats.corrupt == 1 and not damaged.exists()
+    rig.accounting()
+    rig.compute(b)  # the damaged block
+    rig.compute(b)  # the last token
+    assert torch.equal(rig.keys(b, 24), want)
+    rig.blocks.release(b)
+    rig.cache.reset_prefix_cache()
+    assert rig.cache.stats().free_blocks == 16  # every block taken for the read came back
+    rig.accounting()
+
+
+def test_a_store_whose_fill_comes_up_short_files_only_what_it_filled():
+    rig = Rig(num_blocks=8)
+    tokens = prompt(16, 10)  # four blocks
+    taken = []
+    assert rig.blocks.store(tokens, lambda blocks: taken.extend(blocks) or 2, b"")
+    assert rig.cache.match(tokens, b"", record_stats=False).block_ids == taken[:2]
+    assert rig.cache.stats().cached_blocks == 2 and rig.cache.stats().free_blocks == 6
+    assert not rig.blocks.store(prompt(8, 11), lambda blocks: 0, b"")  # nothing filled: nothing held
+    assert rig.cache.stats().free_blocks == 6
     rig.accounting()
 
 

@@ -1,23 +1,27 @@
-"""The tiers' read path at the level of blocks: payloads read straight into a reused buffer (disk files with
-readv, Redis values off the socket), checked on a second thread, and imported into the pool in runs of rows.
-Each test reads real files or a real redis-server and compares the pool's bytes with what was written."""
+"""The tiers' read path at the level of blocks: payloads read straight into the pool blocks the caller took
+(disk files with readv, Redis values off the socket, into KVPool.read_targets), or into a reused buffer whose
+rows the pool imports in runs, checked on a second thread. Each test reads real files or a real redis-server
+and compares the pool's bytes with what was written."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 import pytest
 import torch
 
 from redis_server import redis_server
 from reuse_server.kv.pool import KVPool
-from reuse_server.kv.tiers.blob import BlobContext, BlockEntry, encode
+from reuse_server.kv.tiers.blob import BlobContext, BlockEntry, check, encode
 from reuse_server.kv.tiers.disk import DiskTier
 from reuse_server.kv.tiers.host import HostTier
 from reuse_server.kv.tiers.manager import KVTiers, Wanted
+from reuse_server.kv.tiers import resp
 from reuse_server.kv.tiers.reads import ReadBuffer
-from reuse_server.kv.tiers.remote import MGET_BATCH, RedisTier
+from reuse_server.kv.tiers.remote import MGET_BATCH, MGET_WHOLE, RedisTier
 
-N = MGET_BATCH + 5  # more than one MGET
+N = MGET_WHOLE + MGET_BATCH + 5  # a read in more MGETs than are sent ahead
 
 
 def setup(n: int = N, dtype=torch.float32):
@@ -39,6 +43,37 @@ def read_all(pool, tiers, wanted, contiguous=True):
     into = list(range(pool.num_blocks - len(found), pool.num_blocks))
     tiers.load(into, [found[i] for i in sorted(found)])
     return found, pool.export_blocks(into)
+
+
+def read_into_pool(pool, tiers, wanted, contiguous=True):
+    """fetch with `into`: wanted block i goes into pool block num_blocks - 1 - i (backwards: not one run)."""
+    into = {w.index: pool.num_blocks - 1 - w.index for w in wanted}
+    found = tiers.fetch(wanted, contiguous=contiguous, into=into)
+    return found, {i: pool.export_blocks([into[i]])[0] for i in found}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_targets_are_the_blocks_memory_in_a_buffers_order(dtype):
+    pool, _, kv, _, _ = setup(8, dtype)
+    targets = pool.read_targets([12, 9, 3])
+    assert len(targets) == 3 and len(targets[0]) == 2 * pool.num_layers
+    for target, row in zip(targets, kv[:3]):
+        offset = 0
+        for piece in target:  # a read fills the pieces in order, as a file's payload lies
+            piece[:] = row[offset:offset + piece.nbytes].numpy()
+            offset += piece.nbytes
+        assert offset == pool.layout.nbytes
+    assert torch.equal(pool.export_blocks([12, 9, 3]), kv[:3])
+    assert pool.read_targets([1], pool.layout_for(torch.float16)) is None  # another dtype: converted on import
+    assert KVPool(2, 4, 4, 2, 8, torch.float8_e4m3fn).read_targets([1]) is None  # scales: read, then import
+
+
+def test_host_ram_blocks_are_copied_into_the_blocks_given():
+    pool, _, kv, entries, wanted = setup()
+    host = HostTier(1 << 30)
+    host.put(entries)
+    found, loaded = read_into_pool(pool, KVTiers(pool, host=host), wanted)
+    assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
@@ -107,6 +142,59 @@ def test_disk_reads_every_block_back_and_a_damaged_file_is_a_miss(tmp_path):
     assert disk.stats.corrupt == 2 and not bad.exists() and not short.exists()
 
 
+def test_disk_reads_straight_into_the_pools_blocks_and_a_damaged_file_is_a_miss(tmp_path):
+    pool, ctx, kv, entries, wanted = setup()
+    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    disk.put(entries)
+    assert disk.close(30)
+    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    tiers = KVTiers(pool, disk=disk)
+    found, loaded = read_into_pool(pool, tiers, wanted)
+    assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
+    assert all(f.entry.kv is None for f in found.values())  # in the pool, not in a buffer
+    assert disk._reads._buffer is None  # no read buffer was ever made: no fresh memory, no copy
+    bad = disk._path(entries[7].hash)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    short = disk._path(entries[9].hash)
+    short.write_bytes(short.read_bytes()[:100])
+    pool._data.zero_()
+    found, loaded = read_into_pool(pool, tiers, wanted, contiguous=False)
+    assert sorted(found) == [i for i in range(N) if i not in (7, 9)]
+    assert all(torch.equal(loaded[i], kv[i]) for i in found)
+    assert disk.stats.corrupt == 2 and not bad.exists() and not short.exists()
+    found, _ = read_into_pool(pool, tiers, wanted)  # a chain stops at its first miss
+    assert sorted(found) == list(range(7))
+
+
+def test_redis_reads_straight_into_the_pools_blocks_and_a_damaged_value_is_a_miss_deleted():
+    pool, ctx, kv, entries, wanted = setup()
+    with redis_server() as server:
+        remote = RedisTier(server.url, ctx, timeout=2)
+        remote.put(entries)
+        assert remote.close(30)
+        remote = RedisTier(server.url, ctx, timeout=2)
+        tiers = KVTiers(pool, remote=remote)
+        found, loaded = read_into_pool(pool, tiers, wanted)
+        assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
+        assert all(f.entry.kv is None for f in found.values()) and remote._reads._buffer is None
+        client = server.client()
+        flipped = bytearray(encode(entries[3], ctx))
+        flipped[-40] ^= 1
+        client.set(remote.key(entries[3].hash), bytes(flipped))
+        client.set(remote.key(entries[MGET_BATCH + 1].hash), b"short")  # in the second MGET
+        client.delete(remote.key(entries[5].hash))
+        pool._data.zero_()
+        found, loaded = read_into_pool(pool, tiers, wanted, contiguous=False)
+        assert sorted(found) == [i for i in range(N) if i not in (3, 5, MGET_BATCH + 1)]
+        assert all(torch.equal(loaded[i], kv[i]) for i in found)
+        assert remote.stats.corrupt == 2 and client.exists(remote.key(entries[3].hash)) == 0
+        assert tiers.held(wanted, contiguous=True).blocks == wanted[:3]  # what Redis holds: EXISTS
+        assert [w.index for w in tiers.held(wanted, contiguous=False).blocks] == [
+            i for i in range(N) if i not in (3, 5, MGET_BATCH + 1)]
+
+
 def test_redis_reads_every_block_back_and_a_damaged_value_is_a_miss_deleted():
     pool, ctx, kv, entries, wanted = setup()
     with redis_server() as server:
@@ -132,3 +220,35 @@ def test_redis_reads_every_block_back_and_a_damaged_value_is_a_miss_deleted():
         assert sorted(found) == [0, 1, 2]
         assert client.ping()  # the connection read raw is left at a reply's end: the client goes on
         assert remote.client.get(remote.key(entries[0].hash)) == encode(entries[0], ctx)
+
+
+@pytest.mark.parametrize("reader", ["scatter", "buffered"])
+def test_both_socket_readers_place_an_mget_reply_where_it_goes(reader):
+    """The scatter reader (plain sockets) and the buffered one (TLS) on the same reply bytes, sent in pieces
+    that end anywhere: two values into pool blocks, a missing key, a value too short to be a block."""
+    pool, ctx, kv, entries, _ = setup(4)
+    blobs = [encode(e, ctx) for e in entries[:2]]
+    reply = b"*4\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(b), b) for b in blobs) + b"$-1\r\n$5\r\nshort\r\n"
+    ours, theirs = socket.socketpair()
+
+    def send() -> None:
+        for i in range(0, len(reply), 997):
+            theirs.sendall(reply[i:i + 997])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    with (resp._ScatterReader(ours) if reader == "scatter" else
+          resp._BufferedReader(ours.makefile("rb", buffering=resp.READ_CHUNK))) as r:
+        assert resp._header(r, b"*") == 4
+        targets = pool.read_targets([5, 6, 7, 8])
+        got = {}
+        for i in range(4):
+            resp._value(r, targets[i], ctx, i, lambda i, head, checksum: got.update({i: (head, checksum)}))
+    sender.join()
+    ours.close()
+    theirs.close()
+    assert torch.equal(pool.export_blocks([5, 6]), kv[:2])
+    for i in range(2):
+        entry = check(got[i][0], targets[i], got[i][1], ctx, entries[i].hash)
+        assert entry.kv is None and entry.tokens == entries[i].tokens
+    assert got[2] == (None, None) and got[3][1] is None

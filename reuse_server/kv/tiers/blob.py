@@ -35,7 +35,7 @@ class BlockEntry:
     parent_hash: bytes
     tokens: bytes  # little-endian int32
     namespace: bytes
-    kv: torch.Tensor
+    kv: torch.Tensor | None  # None: read straight into the pool block the reader was given (KVTiers.fetch's into)
     copied: "StagedCopy | None" = None  # reuse_server.kv.pool.StagedCopy
 
     @property
@@ -114,18 +114,25 @@ def _check_prefix(head: memoryview) -> int:
     return header_len
 
 
-def check(head: bytes | memoryview, payload: torch.Tensor, checksum: bytes | memoryview, ctx: BlobContext,
+def check(head: bytes | memoryview, payload: "torch.Tensor | list", checksum: bytes | memoryview, ctx: BlobContext,
           expected_hash: bytes | None = None) -> BlockEntry:
-    """The entry a blob's three parts make (the payload, uint8 [ctx.kv_bytes] on the CPU, becomes its kv as
-    it is: no copy), checked as `decode` checks a whole blob; BadBlob otherwise. The checksum runs over the
-    head and the payload where they lie (xxhash releases the GIL: readers verify one block while reading
-    the next)."""
+    """The entry a blob's three parts make, checked as `decode` checks a whole blob; BadBlob otherwise. The
+    payload is uint8 [ctx.kv_bytes] on the CPU, which becomes the entry's kv as it is (no copy), or the pieces
+    it was read into, in order (numpy arrays, KVPool.read_targets: a pool block's memory; the entry's kv is
+    then None). The checksum runs over the head and the payload where they lie (xxhash releases the GIL:
+    readers verify one block while reading the next)."""
     head = memoryview(head)
     if len(head) < _PREFIX.size:
         raise BadBlob("truncated")
     header_len = _check_prefix(head)
     digest = xxhash.xxh3_128(head)
-    digest.update(payload.numpy())
+    if isinstance(payload, torch.Tensor):
+        digest.update(payload.numpy())
+        length = payload.numel()
+    else:
+        for piece in payload:
+            digest.update(piece)
+        length = sum(piece.nbytes for piece in payload)
     if digest.digest() != bytes(checksum):
         raise BadBlob("checksum mismatch")
     if _PREFIX.size + header_len != len(head):
@@ -139,10 +146,11 @@ def check(head: bytes | memoryview, payload: torch.Tensor, checksum: bytes | mem
     if (header.get("block_size"), header.get("hash_algo"), header.get("layout")) != (
             ctx.block_size, ctx.hash_algo, ctx.layout):
         raise BadBlob("another block size, hash algorithm or KV layout")
-    if header.get("payload_bytes") != payload.numel() or payload.numel() != ctx.kv_bytes:
+    if header.get("payload_bytes") != length or length != ctx.kv_bytes:
         raise BadBlob("payload length disagrees")
     entry = BlockEntry(bytes.fromhex(header["hash"]), bytes.fromhex(header["parent"]),
-                       bytes.fromhex(header["tokens"]), bytes.fromhex(header["namespace"]), payload)
+                       bytes.fromhex(header["tokens"]), bytes.fromhex(header["namespace"]),
+                       payload if isinstance(payload, torch.Tensor) else None)
     if expected_hash is not None and entry.hash != expected_hash:
         raise BadBlob("holds another block")
     return entry

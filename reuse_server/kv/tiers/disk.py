@@ -5,10 +5,10 @@ Layout: <dir>/<fingerprint prefix>/<first two hex digits of the hash>/<hash>.kv.
 background writer (never blocking a request): a temporary file in the same folder, written, fsynced, then
 renamed into place, and the folder fsynced; only then does the index list the block. So a server killed at
 any moment leaves at most a temporary file, which start-up deletes, never a half block that is read back.
-Reads block the caller; each file's payload is read straight into a reused buffer and checked while the
-next file is read (tiers/reads.py). A file that fails its checksum, is truncated, holds other tokens or belongs to
-another model is a miss: it is deleted and logged, never served. Past the size budget the least recently
-used files are deleted."""
+Reads block the caller; each file's payload is read with one readv straight into the pool block taken for it
+(or a reused buffer) and checked while the next file is read (tiers/reads.py). A file that fails its
+checksum, is truncated, holds other tokens or belongs to another model is a miss: it is deleted and logged,
+never served. Past the size budget the least recently used files are deleted."""
 from __future__ import annotations
 
 import logging
@@ -107,11 +107,13 @@ class DiskTier:
             self._path(block_hash).unlink(missing_ok=True)
 
     # ---- reads (the caller's thread) -------------------------------------------------------
-    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
-        """contiguous: read up to the first block not held (only an unbroken run is any use). Each file is
-        read with one readv: its head and checksum into small buffers, its payload straight into a row of
-        the tier's read buffer (what the pool then imports in one copy), and checked on the verifier thread
-        while the next file is read."""
+    def get(self, hashes: list[bytes], contiguous: bool = False,
+            into: dict[bytes, list] | None = None) -> dict[bytes, BlockEntry]:
+        """contiguous: read up to the first block not held (only an unbroken run is any use). into: where each
+        block's payload goes, by hash (KVPool.read_targets: the memory of the pool block the caller took for
+        it; the entry's kv is then None); None: rows of the tier's read buffer (what the pool then imports in
+        one copy). Each file is read with one readv: its head and checksum into small buffers, its payload
+        straight where it goes, and checked on the verifier thread while the next file is read."""
         held = []
         for h in hashes:
             if h in self._index:
@@ -120,11 +122,17 @@ class DiskTier:
                 break
         if not held:
             return {}
+        if into is None:
+            payloads = self._reads.rows(len(held))
+            targets = [[row.numpy()] for row in payloads]
+        else:
+            targets = [into[h] for h in held]
+            payloads = targets
         verifier = Verifier()
-        for h, row in zip(held, self._reads.rows(len(held))):
+        for h, target, payload in zip(held, targets, payloads):
             path = self._path(h)
             try:
-                head, checksum = self._read_into(path, row)
+                head, checksum = self._read_into(path, target)
             except BadBlob as exc:
                 self._corrupt(h, path, exc)
                 continue
@@ -133,9 +141,9 @@ class DiskTier:
                 self.stats.errors += 1
                 self._forget(h, delete=False)
                 continue
-            self.stats.read_bytes += len(head) + row.numel() + len(checksum)
-            verifier.submit(h, lambda h=h, head=head, row=row, checksum=checksum: check(head, row, checksum,
-                                                                                         self.ctx, h))
+            self.stats.read_bytes += len(head) + self.ctx.kv_bytes + len(checksum)
+            verifier.submit(h, lambda h=h, head=head, payload=payload, checksum=checksum: check(
+                head, payload, checksum, self.ctx, h))
         found = {}
         for h, entry, exc in verifier.results():
             if exc is not None:
@@ -149,13 +157,16 @@ class DiskTier:
             found[h] = entry
         return found
 
-    def _read_into(self, path: Path, row) -> tuple[bytearray, bytearray]:
-        """(head, checksum) of the block file at path, its payload read into row."""
+    def holds(self, hashes: list[bytes]) -> list[bool]:
+        return [h in self._index for h in hashes]
+
+    def _read_into(self, path: Path, target: list) -> tuple[bytearray, bytearray]:
+        """(head, checksum) of the block file at path, its payload read into the buffers of target, in order."""
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             head, checksum = bytearray(head_length(size, self.ctx)), bytearray(CHECKSUM_BYTES)
-            got = os.readv(fd, [head, row.numpy(), checksum])
+            got = os.readv(fd, [head, *target, checksum])
         finally:
             os.close(fd)
         if got != size:

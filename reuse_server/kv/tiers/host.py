@@ -65,14 +65,18 @@ class HostTier:
     def contains(self, block_hash: bytes) -> bool:
         return block_hash in self._entries
 
+    def holds(self, hashes: list[bytes]) -> list[bool]:
+        return [h in self._entries for h in hashes]
+
     def children(self, parent_hash: bytes) -> list[BlockEntry]:
         """The held blocks whose parent is `parent_hash` (a prompt's possible next blocks), without counting a
         read or moving them in the LRU order."""
         with self._lock:
             return [self._entries[h] for h in self._children.get(parent_hash, ())]
 
-    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
-        """contiguous: stop at the first block not held (only an unbroken run is any use)."""
+    def get(self, hashes: list[bytes], contiguous: bool = False, into=None) -> dict[bytes, BlockEntry]:
+        """contiguous: stop at the first block not held (only an unbroken run is any use). into is not used:
+        the entries are in RAM already (KVTiers.fetch copies them into the pool)."""
         found = {}
         with self._lock:
             for h in hashes:

@@ -7,11 +7,14 @@ written, and where a prompt's missing blocks are looked for (host RAM, then disk
   copied out when the pool evicts it (host RAM then holds more distinct blocks). Without host RAM, with
   write-back, evicted blocks go to disk. Every new full block is written through to disk (unless
   `write_policy` is "back": then only what host RAM evicts) and to Redis.
-- `fetch` finds a prompt's blocks: those continuing its cached chain (the block manager loads them into the
-  pool and files them in the radix tree, which only the block manager changes: prefetch, the chunk index and
-  every admission), or blocks anywhere after a hole (a block in no tier), which the block manager loads into
-  the sequence's own blocks, so only the hole is recomputed; their KV depends only on the tokens before them.
-  `load` writes what was found into pool blocks.
+- `held` says which of a prompt's blocks the tiers hold, and `fetch` reads them into the pool blocks the
+  block manager took for them: those continuing its cached chain (then filed in the radix tree, which only
+  the block manager changes: prefetch, the chunk index and every admission), or blocks anywhere after a hole
+  (a block in no tier), read into the sequence's own blocks, so only the hole is recomputed; their KV depends
+  only on the tokens before them. Disk files and Redis values are read straight into the pool's memory
+  (KVPool.read_targets: no buffer in between, no copy after, no fresh memory to fault in on a hit); host
+  RAM's blocks are copied in (`load`, which also takes what was read into a buffer where the pool cannot
+  take reads in place).
 - Every block found is checked against what was asked (hash, parent hash, tokens) before it is used, and
   is fetched only where that is measured to be cheaper than recomputing it (tiers/costs.py)."""
 from __future__ import annotations
@@ -44,6 +47,13 @@ class Wanted(NamedTuple):
 class Found(NamedTuple):
     tier: str
     entry: BlockEntry
+
+
+class Held(NamedTuple):
+    """What KVTiers.held found: the wanted blocks a tier holds, and the tiers to read them from."""
+
+    blocks: list[Wanted]
+    tiers: tuple[str, ...]
 
 
 class KVTiers:
@@ -112,9 +122,50 @@ class KVTiers:
                 self.events.tier_stored(tier.name, entries)
 
     # ---- finding blocks --------------------------------------------------------------------
-    def fetch(self, wanted: list[Wanted], contiguous: bool) -> dict[int, Found]:
+    def held(self, wanted: list[Wanted], contiguous: bool) -> Held:
+        """The blocks of `wanted` (in chain order) that the tiers worth reading from hold now: what `fetch`
+        finds unless a read fails, so the caller takes that many pool blocks to fetch them into. contiguous:
+        only the unbroken run from the first. Each tier's fetch-or-recompute decision is taken here (and its
+        declines counted), for the fetch that follows; Redis is asked (EXISTS, one pipeline) for the blocks
+        no tier above it holds."""
+        held = [False] * len(wanted)
+        position = {w.index: i for i, w in enumerate(wanted)}
+        reading = []
+        for tier in self.levels:
+            ask = [wanted[i] for i, h in enumerate(held) if not h]
+            maybe = [w for w in ask if tier.contains(w.hash) is not False]
+            if contiguous:
+                maybe = self._leading_run(maybe, ask)
+            if not maybe:
+                continue
+            if not self.costs.worth_fetching(tier.name):
+                lookups = self.lookups[tier.name]
+                lookups.queries += len(maybe)
+                lookups.declined += len(maybe)
+                continue
+            reading.append(tier.name)
+            for w, holds in zip(maybe, tier.holds([w.hash for w in maybe])):
+                held[position[w.index]] = holds
+        if contiguous:
+            blocks = wanted[:next((i for i, h in enumerate(held) if not h), len(wanted))]
+        else:
+            blocks = [w for w, h in zip(wanted, held) if h]
+        return Held(blocks, tuple(reading) if blocks else ())
+
+    def fetch(self, wanted: list[Wanted], contiguous: bool, into: dict[int, int] | None = None,
+              tiers: tuple[str, ...] | None = None) -> dict[int, Found]:
         """Verified blocks for `wanted` (in chain order), by index. contiguous: only an unbroken run from the
-        first wanted block is any use."""
+        first wanted block is any use. into: the pool block each wanted block goes into, by index (the caller
+        took them); each block found is then in its pool block when this returns, read straight into it
+        where the pool allows (KVPool.read_targets: disk and Redis reads; the entries' kv is None) or copied
+        in (host RAM, or through the tier's read buffer); a block not found leaves its pool block holding
+        anything, for the caller to give back or compute. tiers: the tiers to read from, as `held` decided
+        (None: each tier is weighed here)."""
+        targets = None
+        if into is not None and wanted:
+            views = self.pool.read_targets([into[w.index] for w in wanted], self.layout)
+            if views is not None:
+                targets = {w.hash: v for w, v in zip(wanted, views)}
         found: dict[int, Found] = {}
         missing = list(wanted)
         for tier in self.levels:
@@ -125,13 +176,15 @@ class KVTiers:
                 ask = self._leading_run(ask, missing)
             if not ask:
                 continue
+            if tiers is not None and tier.name not in tiers:
+                continue
             lookups = self.lookups[tier.name]
             lookups.queries += len(ask)
-            if not self.costs.worth_fetching(tier.name):
+            if tiers is None and not self.costs.worth_fetching(tier.name):
                 lookups.declined += len(ask)
                 continue
             start = time.perf_counter()
-            got = tier.get([w.hash for w in ask], contiguous=contiguous)
+            got = tier.get([w.hash for w in ask], contiguous=contiguous, into=targets)
             seconds = time.perf_counter() - start
             lookups.read_seconds += seconds
             self.costs.observe_read(tier.name, len(got), seconds)
@@ -155,6 +208,9 @@ class KVTiers:
             found = run
         for tier in self.levels:  # hits: the blocks used (not those after a gap in a chain)
             self.lookups[tier.name].hits += sum(f.tier == tier.name for f in found.values())
+        if into is not None:  # what is not in its pool block yet (host RAM's entries, a read buffer's rows)
+            copy = sorted(i for i, f in found.items() if f.entry.kv is not None)
+            self.load([into[i] for i in copy], [found[i] for i in copy])
         return found
 
     def partial(self, parent_hash: bytes, tokens: list[int]) -> "tuple[Found, int] | None":

@@ -1,11 +1,16 @@
-"""What the disk and Redis tiers read blocks with: a buffer the payloads land in, and a thread that checks
-one block while the next is being read.
+"""What the disk and Redis tiers read blocks with: a buffer the payloads land in where they cannot land in the
+pool itself, and a thread that checks one block while the next is being read.
 
-- `ReadBuffer`: payloads are read straight into rows of one buffer that is reused from read to read. A fresh
-  buffer per read would cost more than the copy into it (the kernel maps and zeroes every page of a few
-  hundred megabytes on first touch); rows of one buffer are also what the pool imports in one copy
-  (KVPool.import_rows). A caller may keep the rows it was given as long as it likes: while any row of the
-  last read is still alive, the next read gets a new buffer.
+- A hit reads payloads straight into the pool blocks taken for them (KVPool.read_targets, KVTiers.fetch's
+  `into`): no buffer, no copy after, and no fresh memory to fault in (on this VM a fresh 188 MB buffer cost
+  270-570 ms of page faults, more than the read: a fresh server's first hit, and any read larger than the
+  buffer kept, paid it).
+- `ReadBuffer`, for the other reads (a pool that cannot take them in place: an 8-bit pool's scales, another
+  tier dtype, a hybrid model's pool, a CUDA pool; reads without a destination): payloads are read straight
+  into rows of one buffer that is reused from read to read. A fresh buffer per read would cost more than the
+  copy into it (the kernel maps and zeroes every page of a few hundred megabytes on first touch); rows of one
+  buffer are also what the pool imports in one copy (KVPool.import_rows). A caller may keep the rows it was
+  given as long as it likes: while any row of the last read is still alive, the next read gets a new buffer.
 - `Verifier`: checksums run on a second thread (xxhash releases the GIL), so checking block i overlaps
   reading block i + 1 (a file read or a socket read, which release the GIL too)."""
 from __future__ import annotations

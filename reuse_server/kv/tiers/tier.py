@@ -17,9 +17,16 @@ class Tier(Protocol):
     def contains(self, block_hash: bytes) -> bool | None:
         """Whether the tier holds the block; None: unknown without asking the store (get asks)."""
 
-    def get(self, hashes: list[bytes], contiguous: bool = False) -> dict[bytes, BlockEntry]:
+    def holds(self, hashes: list[bytes]) -> list[bool]:
+        """Whether the tier holds each block now (asking the store if it must: what to take pool blocks for
+        before reading)."""
+
+    def get(self, hashes: list[bytes], contiguous: bool = False,
+            into: dict[bytes, list] | None = None) -> dict[bytes, BlockEntry]:
         """The blocks the tier holds among `hashes` (blocking the caller); the caller verifies them. With
-        `contiguous` (a chain), reading stops at the first block the tier does not hold."""
+        `contiguous` (a chain), reading stops at the first block the tier does not hold. into: where a tier
+        that reads bytes in puts each block's payload, by hash (KVPool.read_targets; the entry's kv is then
+        None); without it, or for a tier whose entries are in memory already, the entries carry their kv."""
 
     def put(self, entries: list[BlockEntry]) -> None:
         """Keep these blocks (possibly later, on a writer thread; possibly not at all, counted)."""
