@@ -37,6 +37,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self.dir = Path(root) / ctx.name
+        self._dir_name = str(self.dir)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
         self._lock = threading.Lock()  # the index is shared by the engine thread and the writer
@@ -75,8 +76,12 @@ class DiskTier:
         self._evict_over_budget()
 
     def _path(self, block_hash: bytes) -> Path:
+        return Path(self._file(block_hash))
+
+    def _file(self, block_hash: bytes) -> str:
+        """_path as a string: a read builds one per block, and pathlib's joins cost more than its open."""
         h = block_hash.hex()
-        return self.dir / h[:2] / f"{h}{SUFFIX}"
+        return os.path.join(self._dir_name, h[:2], h + SUFFIX)
 
     @property
     def num_blocks(self) -> int:
@@ -130,7 +135,7 @@ class DiskTier:
             payloads = targets
         verifier = Verifier()
         for h, target, payload in zip(held, targets, payloads):
-            path = self._path(h)
+            path = self._file(h)
             try:
                 head, checksum = self._read_into(path, target)
             except BadBlob as exc:
@@ -160,7 +165,7 @@ class DiskTier:
     def holds(self, hashes: list[bytes]) -> list[bool]:
         return [h in self._index for h in hashes]
 
-    def _read_into(self, path: Path, target: list) -> tuple[bytearray, bytearray]:
+    def _read_into(self, path: str, target: list) -> tuple[bytearray, bytearray]:
         """(head, checksum) of the block file at path, its payload read into the buffers of target, in order."""
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -173,7 +178,7 @@ class DiskTier:
             raise BadBlob("truncated")
         return head, checksum
 
-    def _corrupt(self, block_hash: bytes, path: Path, exc: BadBlob) -> None:
+    def _corrupt(self, block_hash: bytes, path: "Path | str", exc: BadBlob) -> None:
         log.warning("disk cache: deleting %s: %s", path, exc)
         self.stats.corrupt += 1
         self._forget(block_hash, delete=True)

@@ -43,23 +43,44 @@ class ReadBuffer:
 
 
 class Verifier:
-    """Runs checks in submission order on one background thread; `results()` waits for them all."""
+    """Runs checks in submission order on one background thread; `results()` waits for them all. Checks go to
+    the thread in groups of GROUP: a future per block cost the reading thread more than the read's system calls
+    (256 blocks of a 4,096-token prompt: ~15 ms of futures and wake-ups against a 45 ms read)."""
 
     _pool: ThreadPoolExecutor | None = None  # one thread for the process: reads block the engine thread anyway
+    GROUP = 8
 
     def __init__(self) -> None:
         if Verifier._pool is None:
             Verifier._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-verify")
-        self._futures: list[tuple[object, Future]] = []
+        self._futures: list[Future] = []
+        self._pending: list[tuple[object, Callable[[], object]]] = []
 
     def submit(self, key, check: Callable[[], object]) -> None:
-        self._futures.append((key, Verifier._pool.submit(check)))
+        self._pending.append((key, check))
+        if len(self._pending) >= self.GROUP:
+            self._send()
+
+    def _send(self) -> None:
+        group, self._pending = self._pending, []
+        self._futures.append(Verifier._pool.submit(_run_group, group))
 
     def results(self) -> list[tuple[object, object, BaseException | None]]:
         """(key, result, exception) per submitted check, in order."""
+        if self._pending:
+            self._send()
         out = []
-        for key, future in self._futures:
-            exc = future.exception()
-            out.append((key, None if exc is not None else future.result(), exc))
+        for future in self._futures:
+            out.extend(future.result())
         self._futures = []
         return out
+
+
+def _run_group(group: list[tuple[object, Callable[[], object]]]) -> list[tuple[object, object, BaseException | None]]:
+    out = []
+    for key, check in group:
+        try:
+            out.append((key, check(), None))
+        except BaseException as exc:  # handed to results()' caller, as a future would hand it
+            out.append((key, None, exc))
+    return out
