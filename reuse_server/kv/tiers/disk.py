@@ -127,12 +127,7 @@ class DiskTier:
                 break
         if not held:
             return {}
-        if into is None:
-            payloads = self._reads.rows(len(held))
-            targets = [[row.numpy()] for row in payloads]
-        else:
-            targets = [into[h] for h in held]
-            payloads = targets
+        payloads, targets = self._reads.destinations(held, into)
         verifier = Verifier()
         for h, target, payload in zip(held, targets, payloads):
             path = self._file(h)

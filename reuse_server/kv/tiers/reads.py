@@ -41,6 +41,16 @@ class ReadBuffer:
             self._handed = [weakref.ref(r) for r in rows]
         return rows
 
+    def destinations(self, hashes: list[bytes], into: dict[bytes, list] | None) -> tuple[list, list[list]]:
+        """Where each block's payload is read (a tier's get): (payloads, targets) per hash. With `into` (the pool
+        blocks' memory, KVPool.read_targets) both are its buffers; without, a row of this buffer each, and the
+        writable view to read it through."""
+        if into is not None:
+            targets = [into[h] for h in hashes]
+            return targets, targets
+        payloads = self.rows(len(hashes))
+        return payloads, [[row.numpy()] for row in payloads]
+
 
 class Verifier:
     """Runs checks in submission order on one background thread; `results()` waits for them all. Checks go to

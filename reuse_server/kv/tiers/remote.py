@@ -188,12 +188,7 @@ class RedisTier:
 
     def _read(self, hashes: list[bytes], into: dict[bytes, list] | None = None) -> list:
         """Per hash: None (not in Redis) or (entry, None) or (None, BadBlob)."""
-        if into is None:
-            payloads = self._reads.rows(len(hashes))
-            targets = [[row.numpy()] for row in payloads]
-        else:
-            targets = [into[h] for h in hashes]
-            payloads = targets
+        payloads, targets = self._reads.destinations(hashes, into)
         verifier = Verifier()
         values: list = [None] * len(hashes)
 
