@@ -45,6 +45,14 @@ def read_all(pool, tiers, wanted, contiguous=True):
     return found, pool.export_blocks(into)
 
 
+def written(make, entries):
+    """A tier (make()) that wrote `entries` and closed, opened again (a restart: what it holds is read back)."""
+    tier = make()
+    tier.put(entries)
+    assert tier.close(30)
+    return make()
+
+
 def read_into_pool(pool, tiers, wanted, contiguous=True):
     """fetch with `into`: wanted block i goes into pool block num_blocks - 1 - i (backwards: not one run)."""
     into = {w.index: pool.num_blocks - 1 - w.index for w in wanted}
@@ -124,10 +132,7 @@ def test_host_ram_blocks_go_into_the_pool_as_they_were():
 
 def test_disk_reads_every_block_back_and_a_damaged_file_is_a_miss(tmp_path):
     pool, ctx, kv, entries, wanted = setup()
-    disk = DiskTier(tmp_path, 1 << 30, ctx)
-    disk.put(entries)
-    assert disk.close(30)
-    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    disk = written(lambda: DiskTier(tmp_path, 1 << 30, ctx), entries)
     found, loaded = read_all(pool, KVTiers(pool, disk=disk), wanted)
     assert len(found) == N and torch.equal(loaded, kv)
     bad = disk._path(entries[7].hash)
@@ -144,10 +149,7 @@ def test_disk_reads_every_block_back_and_a_damaged_file_is_a_miss(tmp_path):
 
 def test_disk_reads_straight_into_the_pools_blocks_and_a_damaged_file_is_a_miss(tmp_path):
     pool, ctx, kv, entries, wanted = setup()
-    disk = DiskTier(tmp_path, 1 << 30, ctx)
-    disk.put(entries)
-    assert disk.close(30)
-    disk = DiskTier(tmp_path, 1 << 30, ctx)
+    disk = written(lambda: DiskTier(tmp_path, 1 << 30, ctx), entries)
     tiers = KVTiers(pool, disk=disk)
     found, loaded = read_into_pool(pool, tiers, wanted)
     assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
@@ -171,10 +173,7 @@ def test_disk_reads_straight_into_the_pools_blocks_and_a_damaged_file_is_a_miss(
 def test_redis_reads_straight_into_the_pools_blocks_and_a_damaged_value_is_a_miss_deleted():
     pool, ctx, kv, entries, wanted = setup()
     with redis_server() as server:
-        remote = RedisTier(server.url, ctx, timeout=2)
-        remote.put(entries)
-        assert remote.close(30)
-        remote = RedisTier(server.url, ctx, timeout=2)
+        remote = written(lambda: RedisTier(server.url, ctx, timeout=2), entries)
         tiers = KVTiers(pool, remote=remote)
         found, loaded = read_into_pool(pool, tiers, wanted)
         assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
@@ -198,10 +197,7 @@ def test_redis_reads_straight_into_the_pools_blocks_and_a_damaged_value_is_a_mis
 def test_redis_reads_every_block_back_and_a_damaged_value_is_a_miss_deleted():
     pool, ctx, kv, entries, wanted = setup()
     with redis_server() as server:
-        remote = RedisTier(server.url, ctx, timeout=2)
-        remote.put(entries)
-        assert remote.close(30)
-        remote = RedisTier(server.url, ctx, timeout=2)
+        remote = written(lambda: RedisTier(server.url, ctx, timeout=2), entries)
         found, loaded = read_all(pool, KVTiers(pool, remote=remote), wanted)
         assert len(found) == N and torch.equal(loaded, kv)
         client = server.client()
