@@ -89,6 +89,11 @@ class HostTier:
                     self.stats.read_bytes += entry.nbytes
         return found
 
+    def peek(self, hashes: list[bytes]) -> dict[bytes, BlockEntry]:
+        """The held entries among `hashes`, without counting a read or moving them in the LRU order."""
+        with self._lock:
+            return {h: self._entries[h] for h in hashes if h in self._entries}
+
     def touch(self, hashes: list[bytes]) -> None:
         """The blocks held among `hashes` become the most recently used, in that order."""
         with self._lock:

@@ -29,6 +29,7 @@ from radix import BlockRecord, as_token_array
 from reuse_server.kv.pool import KVPool
 from reuse_server.kv.tiers.blob import BlockEntry
 from reuse_server.kv.tiers.costs import FetchCosts
+from reuse_server.kv.tiers.host import HostTier
 from reuse_server.kv.tiers.stats import Lookups, figures
 from reuse_server.kv.tiers.tier import Tier
 
@@ -57,7 +58,7 @@ class Held(NamedTuple):
 
 
 class KVTiers:
-    def __init__(self, pool: KVPool, host: Tier | None = None, disk: Tier | None = None, remote: Tier | None = None,
+    def __init__(self, pool: KVPool, host: HostTier | None = None, disk: Tier | None = None, remote: Tier | None = None,
                  write_policy: str = "through",
                  dtype: torch.dtype | None = None, fetch: str = "auto", host_write_policy: str = "through"):
         """dtype: what the tiers store blocks in (None: the pool's own); blocks are converted on the way out
@@ -113,9 +114,14 @@ class KVTiers:
                    and any(t.contains(r.hash) is not True for t in targets)]
         if not records:
             return
-        kv, copied = self.pool.export_blocks_async([r.block_id for r in records], self.dtype)
-        entries = [BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i], copied)
-                   for i, r in enumerate(records)]
+        # a block host RAM holds already (a tier hit, written below again) is handed on as it is there: a
+        # second copy out of the pool would cost the hit's step its memcpy
+        kept = self.host.peek([r.hash for r in records]) if self.host is not None else {}
+        export = [r for r in records if r.hash not in kept]
+        kv, copied = self.pool.export_blocks_async([r.block_id for r in export], self.dtype) if export else ([], None)
+        made = {r.hash: BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i], copied)
+                for i, r in enumerate(export)}
+        entries = [kept.get(r.hash) or made[r.hash] for r in records]
         for tier in targets:
             tier.put(entries)
             if self.events is not None:
