@@ -173,6 +173,9 @@ def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPoo
     return KVPool(mc.num_layers, num_blocks, bs, heads, hd, kv_dtype, config.device, read_dtype=dtype)
 
 
+MIN_WRITE_QUEUE_BYTES = 256 << 20  # a disk or Redis writer's queue, whatever the step
+
+
 def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) -> KVTiers | None:
     """The tiers the config asks for below the pool (None: none)."""
     if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
@@ -185,9 +188,14 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     name = identity.identity.hex() + ("" if tier_dtype is None else "-" + kv_quant.spec(tier_dtype).name)
     ctx = BlobContext(fingerprint=name, block_size=pool.block_size, hash_algo=identity.hash_algo,
                       layout=layout.describe(), kv_bytes=layout.nbytes)
+    # A writer's queue takes the blocks of two full steps: a prompt as long as a step is written through
+    # whole even while the step before it is still being written (past the bound, blocks are dropped)
+    queue = max(MIN_WRITE_QUEUE_BYTES, 2 * config.max_num_batched_tokens // pool.block_size * layout.nbytes)
     host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
-    disk = DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx) if config.disk_cache_dir else None
-    remote = RedisTier(config.redis_url, ctx, timeout=config.redis_timeout) if config.redis_url else None
+    disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue)
+            if config.disk_cache_dir else None)
+    remote = (RedisTier(config.redis_url, ctx, timeout=config.redis_timeout, max_queue_bytes=queue)
+              if config.redis_url else None)
     log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
     return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype, fetch=config.tier_fetch,
                    host_write_policy=config.host_write_policy)

@@ -13,6 +13,8 @@ from redis_server import redis_server
 from reuse_server.kv.pool import KVPool
 from reuse_server.engine.sampling_params import CacheOptions
 from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, decode, encode
+from reuse_server.engine import builder
+from reuse_server.kv.tiers.disk import DiskTier
 from reuse_server.kv.tiers.host import HostTier
 from reuse_server.kv.tiers.manager import Found, KVTiers
 from tier_runs import BS, make, random_prompt, run, same_answer
@@ -178,6 +180,42 @@ def test_write_through_to_host_ram_copies_nothing_when_the_pool_evicts(checkpoin
     copied = engine.snapshot()["tiers"]["host"]["written"] - before
     assert loaded > 0
     assert copied == 0 if policy == "through" else copied >= loaded
+
+
+def test_a_prompt_as_long_as_a_step_is_written_through_whole(checkpoints, tmp_path, monkeypatch):
+    """A writer's queue takes two steps' blocks whatever its floor: one long prefill is not cut short on disk
+    (with the floor alone, most of this prompt's blocks would be dropped)."""
+    monkeypatch.setattr(builder, "MIN_WRITE_QUEUE_BYTES", 1)
+    engine = make(checkpoints[3], disk_cache_dir=str(tmp_path), max_num_batched_tokens=64, num_gpu_blocks=60)
+    ids = prompt(12, 64)
+    run(engine, "first", ids, max_tokens=1)
+    assert engine.tiers.disk.writer.flush(10)
+    disk = engine.snapshot()["tiers"]["disk"]
+    assert disk["written"] == len(ids) // BS and disk["dropped_writes"] == 0
+    engine.close()
+
+
+def test_a_block_host_ram_holds_goes_to_disk_from_host_ram_not_from_the_pool(tmp_path):
+    """Blocks read from host RAM and filed again are written through to the tiers below from host RAM's copy:
+    the pool is not copied out a second time in the hit's step (its ids here already hold other KV, and disk
+    still gets what host RAM holds)."""
+    torch.manual_seed(SEED)
+    pool = KVPool(2, 8, BS, 2, 16)
+    shape = pool.layout.shape
+    pool.import_blocks(list(range(4)), pool.layout.encode(torch.randn(4, *shape)))
+    records = [BlockRecord(bytes([i + 1]) * 16, bytes([i]) * 16, bytes(range(BS * 4)), b"", i) for i in range(4)]
+    host = HostTier(10**8)
+    KVTiers(pool, host=host).stored(records)
+    expected = torch.stack([host.get([r.hash])[r.hash].payload() for r in records])
+    pool.import_blocks(list(range(4)), pool.layout.encode(torch.randn(4, *shape)))
+    ctx = BlobContext(fingerprint="f" * 64, block_size=BS, hash_algo="xxh3_64", layout=pool.layout.describe(),
+                      kv_bytes=pool.layout.nbytes)
+    disk = DiskTier(tmp_path, 10**8, ctx)
+    KVTiers(pool, host=host, disk=disk).stored(records)
+    assert disk.writer.flush(10) and disk.stats.written == 4
+    got = disk.get([r.hash for r in records])
+    assert torch.equal(torch.stack([got[r.hash].payload() for r in records]), expected)
+    disk.close()
 
 
 def test_write_back_keeps_on_disk_only_what_host_ram_pushes_out(checkpoints, tmp_path):
