@@ -69,9 +69,9 @@ def instrument(engine) -> None:
     engine.runner.run = run
 
 
-def prompt(seed: int, n: int = LENGTH) -> list[int]:
+def prompt(seed: int, n: int | None = None) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
+    return [rng.randrange(100, 40000) for _ in range(n or LENGTH)]
 
 
 def tail(seed: int) -> list[int]:
@@ -136,10 +136,14 @@ def tier_hits(tier: str, folder: str, redis_url: str, profile: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global LENGTH, CACHED
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tier", nargs="+", choices=("host", "disk", "redis"), default=["host", "disk", "redis"])
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--length", type=int, default=4096,
+                    help="prompt tokens (a multiple of 16; the hits compute its last 16)")
     args = ap.parse_args(argv)
+    LENGTH, CACHED = args.length, args.length - BS
     if "host" in args.tier:
         host_hits(args.cprofile)
     others = [t for t in args.tier if t != "host"]
