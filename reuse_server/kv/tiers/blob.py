@@ -119,8 +119,7 @@ def check(head: bytes | memoryview, payload: "torch.Tensor | list", checksum: by
     """The entry a blob's three parts make, checked as `decode` checks a whole blob; BadBlob otherwise. The
     payload is uint8 [ctx.kv_bytes] on the CPU, which becomes the entry's kv as it is (no copy), or the pieces
     it was read into, in order (numpy arrays, KVPool.read_targets: a pool block's memory; the entry's kv is
-    then None). The checksum runs over the head and the payload where they lie (xxhash releases the GIL:
-    readers verify one block while reading the next)."""
+    then None). The checksum runs over the head and the payload where they lie."""
     head = memoryview(head)
     if len(head) < _PREFIX.size:
         raise BadBlob("truncated")

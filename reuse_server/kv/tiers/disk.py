@@ -19,7 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from reuse_server.kv.tiers.blob import CHECKSUM_BYTES, BadBlob, BlobContext, BlockEntry, check, encode, head_length
-from reuse_server.kv.tiers.reads import ReadBuffer, Verifier
+from reuse_server.kv.tiers.reads import ReadBuffer
 from reuse_server.kv.tiers.stats import TierStats
 from reuse_server.kv.tiers.writer import BackgroundWriter
 
@@ -118,7 +118,7 @@ class DiskTier:
         block's payload goes, by hash (KVPool.read_targets: the memory of the pool block the caller took for
         it; the entry's kv is then None); None: rows of the tier's read buffer (what the pool then imports in
         one copy). Each file is read with one readv: its head and checksum into small buffers, its payload
-        straight where it goes, and checked on the verifier thread while the next file is read."""
+        straight where it goes; then it is checked (reads.py says why on this thread)."""
         held = []
         for h in hashes:
             if h in self._index:
@@ -128,7 +128,7 @@ class DiskTier:
         if not held:
             return {}
         payloads, targets = self._reads.destinations(held, into)
-        verifier = Verifier()
+        found = {}
         for h, target, payload in zip(held, targets, payloads):
             path = self._file(h)
             try:
@@ -142,14 +142,10 @@ class DiskTier:
                 self._forget(h, delete=False)
                 continue
             self.stats.read_bytes += len(head) + self.ctx.kv_bytes + len(checksum)
-            verifier.submit(h, lambda h=h, head=head, payload=payload, checksum=checksum: check(
-                head, payload, checksum, self.ctx, h))
-        found = {}
-        for h, entry, exc in verifier.results():
-            if exc is not None:
-                if not isinstance(exc, BadBlob):
-                    raise exc
-                self._corrupt(h, self._path(h), exc)
+            try:
+                entry = check(head, payload, checksum, self.ctx, h)
+            except BadBlob as exc:
+                self._corrupt(h, path, exc)
                 continue
             with self._lock:
                 if h in self._index:

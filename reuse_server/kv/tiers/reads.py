@@ -1,5 +1,5 @@
 """What the disk and Redis tiers read blocks with: a buffer the payloads land in where they cannot land in the
-pool itself, and a thread that checks one block while the next is being read.
+pool itself.
 
 - A hit reads payloads straight into the pool blocks taken for them (KVPool.read_targets, KVTiers.fetch's
   `into`): no buffer, no copy after, and no fresh memory to fault in (on this VM a fresh 188 MB buffer cost
@@ -11,13 +11,14 @@ pool itself, and a thread that checks one block while the next is being read.
   copy into it (the kernel maps and zeroes every page of a few hundred megabytes on first touch); rows of one
   buffer are also what the pool imports in one copy (KVPool.import_rows). A caller may keep the rows it was
   given as long as it likes: while any row of the last read is still alive, the next read gets a new buffer.
-- `Verifier`: checksums run on a second thread (xxhash releases the GIL), so checking block i overlaps
-  reading block i + 1 (a file read or a socket read, which release the GIL too)."""
+
+Each block is checked on the reading thread as soon as it is in. A second thread checking block i while block
+i + 1 was read lost more than it overlapped (BENCHMARKS.md, KV tiers): a payload read into the pool lies in one
+piece per layer's K or V, each piece's xxhash update hands the GIL over, and the two threads traded it tens of
+thousands of times a long read."""
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -50,47 +51,3 @@ class ReadBuffer:
             return targets, targets
         payloads = self.rows(len(hashes))
         return payloads, [[row.numpy()] for row in payloads]
-
-
-class Verifier:
-    """Runs checks in submission order on one background thread; `results()` waits for them all. Checks go to
-    the thread in groups of GROUP: a future per block cost the reading thread more than the read's system calls
-    (256 blocks of a 4,096-token prompt: ~15 ms of futures and wake-ups against a 45 ms read)."""
-
-    _pool: ThreadPoolExecutor | None = None  # one thread for the process: reads block the engine thread anyway
-    GROUP = 8
-
-    def __init__(self) -> None:
-        if Verifier._pool is None:
-            Verifier._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-verify")
-        self._futures: list[Future] = []
-        self._pending: list[tuple[object, Callable[[], object]]] = []
-
-    def submit(self, key, check: Callable[[], object]) -> None:
-        self._pending.append((key, check))
-        if len(self._pending) >= self.GROUP:
-            self._send()
-
-    def _send(self) -> None:
-        group, self._pending = self._pending, []
-        self._futures.append(Verifier._pool.submit(_run_group, group))
-
-    def results(self) -> list[tuple[object, object, BaseException | None]]:
-        """(key, result, exception) per submitted check, in order."""
-        if self._pending:
-            self._send()
-        out = []
-        for future in self._futures:
-            out.extend(future.result())
-        self._futures = []
-        return out
-
-
-def _run_group(group: list[tuple[object, Callable[[], object]]]) -> list[tuple[object, object, BaseException | None]]:
-    out = []
-    for key, check in group:
-        try:
-            out.append((key, check(), None))
-        except BaseException as exc:  # handed to results()' caller, as a future would hand it
-            out.append((key, None, exc))
-    return out

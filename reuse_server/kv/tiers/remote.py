@@ -29,7 +29,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from reuse_server.kv.tiers.blob import BadBlob, BlobContext, BlockEntry, check, encode
-from reuse_server.kv.tiers.reads import ReadBuffer, Verifier
+from reuse_server.kv.tiers.reads import ReadBuffer
 from reuse_server.kv.tiers.resp import mget_into
 from reuse_server.kv.tiers.stats import TierStats
 from reuse_server.kv.tiers.writer import BackgroundWriter
@@ -121,7 +121,7 @@ class RedisTier:
     def get(self, hashes: list[bytes], contiguous: bool = False,
             into: dict[bytes, list] | None = None) -> dict[bytes, BlockEntry]:
         """The blocks Redis holds among `hashes`: MGETs (one, or of MGET_BATCH keys), pipelined, their values'
-        payloads read straight where they go and checked while the next value arrives (tiers/resp.py): into
+        payloads read straight where they go and checked as each arrives (tiers/resp.py): into
         the buffers `into` gives by hash (KVPool.read_targets: a pool block's memory; the entry's kv is then
         None), else into the tier's read buffer. contiguous: only the unbroken run from the first hash, read
         up to the first missing block."""
@@ -189,7 +189,6 @@ class RedisTier:
     def _read(self, hashes: list[bytes], into: dict[bytes, list] | None = None) -> list:
         """Per hash: None (not in Redis) or (entry, None) or (None, BadBlob)."""
         payloads, targets = self._reads.destinations(hashes, into)
-        verifier = Verifier()
         values: list = [None] * len(hashes)
 
         def arrived(i: int, head: bytearray | None, checksum: bytearray | None) -> None:
@@ -198,20 +197,15 @@ class RedisTier:
             self.stats.read_bytes += len(head) + self.ctx.kv_bytes + (len(checksum) if checksum is not None else 0)
             if checksum is None:
                 values[i] = (None, BadBlob("truncated"))
-            else:
-                verifier.submit(i, lambda: check(head, payloads[i], checksum, self.ctx, hashes[i]))
+                return
+            try:
+                values[i] = (check(head, payloads[i], checksum, self.ctx, hashes[i]), None)
+            except BadBlob as exc:
+                values[i] = (None, exc)
 
         keys = [self.key(h) for h in hashes]
-        try:
-            size = len(keys) if len(keys) <= MGET_WHOLE else MGET_BATCH
-            mget_into(self.client, [keys[i:i + size] for i in range(0, len(keys), size)], targets,
-                      self.ctx, arrived)
-        finally:
-            checked = verifier.results()  # never leave a check running on a row that is handed out again
-        for i, entry, exc in checked:
-            if exc is not None and not isinstance(exc, BadBlob):
-                raise exc
-            values[i] = (entry, exc)
+        size = len(keys) if len(keys) <= MGET_WHOLE else MGET_BATCH
+        mget_into(self.client, [keys[i:i + size] for i in range(0, len(keys), size)], targets, self.ctx, arrived)
         return values
 
     def discard(self, block_hash: bytes) -> None:

@@ -9,8 +9,8 @@ ctx.kv_bytes before the checksum, tiers/blob.py) where the caller wants it: the 
 to (KVPool.read_targets), or a row of a read buffer. On a plain TCP or Unix socket a value is received with
 recvmsg_into, which scatters it into all of those buffers in one system call (the kernel copies each byte
 once, straight where it goes; only reply lines pass through a small buffer); over TLS, through a buffered
-reader, one readinto per buffer. Each value is handed to `on_value` as soon as it has been read, so it can be
-checked while the next one arrives."""
+reader, one readinto per buffer. Each value is handed to `on_value` as soon as it has been read (the caller
+checks it there, while the kernel takes in what follows)."""
 from __future__ import annotations
 
 import socket
