@@ -1,6 +1,6 @@
 """The tiers' read path at the level of blocks: payloads read straight into the pool blocks the caller took
 (disk files with readv, Redis values off the socket, into KVPool.read_targets), or into a reused buffer whose
-rows the pool imports in runs, checked on a second thread. Each test reads real files or a real redis-server
+rows the pool imports in runs, each checked as it is read. Each test reads real files or a real redis-server
 and compares the pool's bytes with what was written."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from redis_server import redis_server
 from reuse_server.kv.pool import KVPool
 from reuse_server.kv.tiers.blob import BlobContext, BlockEntry, check, encode
+from reuse_server.kv.tiers import disk as disk_module
 from reuse_server.kv.tiers.disk import DiskTier
 from reuse_server.kv.tiers.host import HostTier
 from reuse_server.kv.tiers.manager import KVTiers, Wanted
@@ -168,6 +169,25 @@ def test_disk_reads_straight_into_the_pools_blocks_and_a_damaged_file_is_a_miss(
     assert disk.stats.corrupt == 2 and not bad.exists() and not short.exists()
     found, _ = read_into_pool(pool, tiers, wanted)  # a chain stops at its first miss
     assert sorted(found) == list(range(7))
+
+
+def test_a_disk_read_opens_files_ahead_and_leaves_none_open(tmp_path, monkeypatch):
+    """Files are opened (and their reads asked for) a few ahead of the one read: every block still comes back,
+    a file gone since the index listed it and a damaged one are misses, and no file stays open after."""
+    monkeypatch.setattr(disk_module, "READ_AHEAD", 4)
+    pool, ctx, kv, entries, wanted = setup()
+    disk = written(lambda: DiskTier(tmp_path, 1 << 30, ctx), entries)
+    disk._path(entries[5].hash).unlink()
+    bad = disk._path(entries[20].hash)
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 1
+    bad.write_bytes(bytes(data))
+    open_before = sorted(os.listdir("/proc/self/fd"))
+    found, loaded = read_into_pool(pool, KVTiers(pool, disk=disk), wanted, contiguous=False)
+    assert sorted(os.listdir("/proc/self/fd")) == open_before
+    assert sorted(found) == [i for i in range(N) if i not in (5, 20)]
+    assert all(torch.equal(loaded[i], kv[i]) for i in found)
+    assert disk.stats.errors == 1 and disk.stats.corrupt == 1
 
 
 def test_redis_reads_straight_into_the_pools_blocks_and_a_damaged_value_is_a_miss_deleted():
