@@ -190,7 +190,10 @@ class KVTiers:
                 lookups.declined += len(ask)
                 continue
             start = time.perf_counter()
-            got = tier.get([w.hash for w in ask], contiguous=contiguous, into=targets)
+            # After `held` the tier was just asked what it holds: it reads them all, without asking again
+            # where a chain breaks (Redis: a second EXISTS pipeline); a block gone meanwhile still ends the
+            # run below
+            got = tier.get([w.hash for w in ask], contiguous=contiguous and tiers is None, into=targets)
             seconds = time.perf_counter() - start
             lookups.read_seconds += seconds
             self.costs.observe_read(tier.name, len(got), seconds)
