@@ -54,6 +54,20 @@ def written(make, entries):
     return make()
 
 
+def flipped(path):
+    """The file at path with one bit of its payload flipped (its checksum no longer matches)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    return path
+
+
+def cut(path):
+    """The file at path cut short."""
+    path.write_bytes(path.read_bytes()[:100])
+    return path
+
+
 def read_into_pool(pool, tiers, wanted, contiguous=True):
     """fetch with `into`: wanted block i goes into pool block num_blocks - 1 - i (backwards: not one run)."""
     into = {w.index: pool.num_blocks - 1 - w.index for w in wanted}
@@ -136,12 +150,7 @@ def test_disk_reads_every_block_back_and_a_damaged_file_is_a_miss(tmp_path):
     disk = written(lambda: DiskTier(tmp_path, 1 << 30, ctx), entries)
     found, loaded = read_all(pool, KVTiers(pool, disk=disk), wanted)
     assert len(found) == N and torch.equal(loaded, kv)
-    bad = disk._path(entries[7].hash)
-    data = bytearray(bad.read_bytes())
-    data[len(data) // 2] ^= 1
-    bad.write_bytes(bytes(data))
-    short = disk._path(entries[9].hash)
-    short.write_bytes(short.read_bytes()[:100])
+    bad, short = flipped(disk._path(entries[7].hash)), cut(disk._path(entries[9].hash))
     found, _ = read_all(pool, KVTiers(pool, disk=disk), wanted, contiguous=False)
     assert sorted(found) == [i for i in range(N) if i not in (7, 9)]
     assert all(torch.equal(found[i].entry.kv, kv[i]) for i in found)
@@ -156,12 +165,7 @@ def test_disk_reads_straight_into_the_pools_blocks_and_a_damaged_file_is_a_miss(
     assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
     assert all(f.entry.kv is None for f in found.values())  # in the pool, not in a buffer
     assert disk._reads._buffer is None  # no read buffer was ever made: no fresh memory, no copy
-    bad = disk._path(entries[7].hash)
-    data = bytearray(bad.read_bytes())
-    data[len(data) // 2] ^= 1
-    bad.write_bytes(bytes(data))
-    short = disk._path(entries[9].hash)
-    short.write_bytes(short.read_bytes()[:100])
+    bad, short = flipped(disk._path(entries[7].hash)), cut(disk._path(entries[9].hash))
     pool._data.zero_()
     found, loaded = read_into_pool(pool, tiers, wanted, contiguous=False)
     assert sorted(found) == [i for i in range(N) if i not in (7, 9)]
@@ -178,10 +182,7 @@ def test_a_disk_read_opens_files_ahead_and_leaves_none_open(tmp_path, monkeypatc
     pool, ctx, kv, entries, wanted = setup()
     disk = written(lambda: DiskTier(tmp_path, 1 << 30, ctx), entries)
     disk._path(entries[5].hash).unlink()
-    bad = disk._path(entries[20].hash)
-    data = bytearray(bad.read_bytes())
-    data[-1] ^= 1
-    bad.write_bytes(bytes(data))
+    flipped(disk._path(entries[20].hash))
     open_before = sorted(os.listdir("/proc/self/fd"))
     found, loaded = read_into_pool(pool, KVTiers(pool, disk=disk), wanted, contiguous=False)
     assert sorted(os.listdir("/proc/self/fd")) == open_before
