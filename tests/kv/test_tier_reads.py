@@ -68,6 +68,15 @@ def cut(path):
     return path
 
 
+def damage_in_redis(client, remote, ctx, entries) -> None:
+    """Block 3's value with a bit flipped, block MGET_BATCH + 1's cut short (in the second MGET), block 5's gone."""
+    value = bytearray(encode(entries[3], ctx))
+    value[-40] ^= 1
+    client.set(remote.key(entries[3].hash), bytes(value))
+    client.set(remote.key(entries[MGET_BATCH + 1].hash), b"short")
+    client.delete(remote.key(entries[5].hash))
+
+
 def read_into_pool(pool, tiers, wanted, contiguous=True):
     """fetch with `into`: wanted block i goes into pool block num_blocks - 1 - i (backwards: not one run)."""
     into = {w.index: pool.num_blocks - 1 - w.index for w in wanted}
@@ -200,11 +209,7 @@ def test_redis_reads_straight_into_the_pools_blocks_and_a_damaged_value_is_a_mis
         assert sorted(found) == list(range(N)) and all(torch.equal(loaded[i], kv[i]) for i in found)
         assert all(f.entry.kv is None for f in found.values()) and remote._reads._buffer is None
         client = server.client()
-        flipped = bytearray(encode(entries[3], ctx))
-        flipped[-40] ^= 1
-        client.set(remote.key(entries[3].hash), bytes(flipped))
-        client.set(remote.key(entries[MGET_BATCH + 1].hash), b"short")  # in the second MGET
-        client.delete(remote.key(entries[5].hash))
+        damage_in_redis(client, remote, ctx, entries)
         pool._data.zero_()
         found, loaded = read_into_pool(pool, tiers, wanted, contiguous=False)
         assert sorted(found) == [i for i in range(N) if i not in (3, 5, MGET_BATCH + 1)]
@@ -222,11 +227,7 @@ def test_redis_reads_every_block_back_and_a_damaged_value_is_a_miss_deleted():
         found, loaded = read_all(pool, KVTiers(pool, remote=remote), wanted)
         assert len(found) == N and torch.equal(loaded, kv)
         client = server.client()
-        flipped = bytearray(encode(entries[3], ctx))
-        flipped[-40] ^= 1
-        client.set(remote.key(entries[3].hash), bytes(flipped))
-        client.set(remote.key(entries[MGET_BATCH + 1].hash), b"short")  # in the second MGET
-        client.delete(remote.key(entries[5].hash))
+        damage_in_redis(client, remote, ctx, entries)
         remote = RedisTier(server.url, ctx, timeout=2)
         found, _ = read_all(pool, KVTiers(pool, remote=remote), wanted, contiguous=False)
         assert sorted(found) == [i for i in range(N) if i not in (3, 5, MGET_BATCH + 1)]
