@@ -25,12 +25,14 @@ def wait_for(url: str, ok, timeout: float = 60.0) -> list[dict]:
         time.sleep(0.01)
 
 
-def stream(url: str, prompt: str, max_tokens: int, done: list) -> None:
+def stream(url: str, prompt: str, max_tokens: int, done: list, stop: threading.Event | None = None) -> None:
+    """Read a streamed completion to its end, or hang up once `stop` is set."""
     with httpx.stream("POST", url + "/v1/completions", timeout=120,
                       json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                             "ignore_eos": True}) as r:
         for _ in r.iter_lines():
-            pass
+            if stop is not None and stop.is_set():
+                break
     done.append(r.status_code)
 
 
@@ -58,7 +60,10 @@ def test_load_counts_running_and_waiting_requests_and_their_tokens(url):
     assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0,
                      "kv_blocks_in_use": 0, "kv_blocks_total": BLOCKS}]
     done: list = []
-    first = threading.Thread(target=stream, args=(url, "the quick brown fox " * 6, 150, done))
+    hang_up = threading.Event()
+    # the first request could decode nearly the whole pool; it runs until this test hangs up on it, so the
+    # second one waits however slowly a busy machine runs either thread
+    first = threading.Thread(target=stream, args=(url, "the quick brown fox " * 6, 900, done, hang_up))
     first.start()
     busy = wait_for(url, lambda load: load["num_reqs"] == 1 and load["kv_blocks_in_use"] > 0)[0]
     assert busy["num_waiting_reqs"] == 0 and busy["num_tokens"] == busy["kv_blocks_in_use"] * BS
@@ -67,11 +72,13 @@ def test_load_counts_running_and_waiting_requests_and_their_tokens(url):
     second.start()
     both = wait_for(url, lambda load: load["num_waiting_reqs"] == 1)[0]
     assert both["num_reqs"] == 2 and both["num_waiting_reqs"] == 1
+    hang_up.set()
+    first.join(120)
+    second.join(120)
+    assert done == [200, 200]
     prompt_tokens = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": waiting_prompt,
                                                               "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     # the waiting request's prompt is counted on top of the KV the running one holds
     assert both["num_tokens"] >= both["kv_blocks_in_use"] * BS + prompt_tokens
-    first.join(120)
-    second.join(120)
-    assert done == [200, 200]
+    # the request hung up on frees its blocks; nothing is left counted
     assert wait_for(url, lambda load: load["num_reqs"] == 0)[0]["num_tokens"] == 0
