@@ -1,18 +1,21 @@
-"""The metadata of a GGUF file (architecture, layer and head counts, windows), read without its vocabulary.
+"""The metadata of a GGUF file (architecture, layer and head counts, windows) and its tensors' names, shapes
+and types, read without its vocabulary.
 
 gguf.GGUFReader parses every field into numpy parts, the tokenizer's tens of thousands of strings included,
-which takes seconds even for the bundled 135M model; `reuse-server kv-calc` must answer in well under a
-second. This walks the key/value section (the GGUF v2/v3 layout, with the gguf package's own type codes and
-magic number) keeping scalars, strings and short arrays, and steps over long arrays without decoding them."""
+which takes seconds even for the bundled 135M model (and about ten for Gemma 3's 262,144 tokens, on every
+engine start that picks a weight dtype); `reuse-server kv-calc` must answer in well under a second. This walks
+the key/value section (the GGUF v2/v3 layout, with the gguf package's own type codes and magic number) keeping
+scalars, strings and short arrays, and steps over long arrays without decoding them; then, when asked, the
+tensor-info section that follows it."""
 
 from __future__ import annotations
 
 import mmap
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from gguf import GGUF_MAGIC, GGUFValueType
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelLoadError
 
@@ -68,8 +71,23 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {kind}")
 
 
+class TensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # as the file lists it (GGUFReader's `shape`): the fastest-varying dimension first
+    tensor_type: GGMLQuantizationType
+
+
 def read_gguf_metadata(path: Path) -> dict[str, Any]:
     """{key: value} of the file's metadata; arrays longer than MAX_ARRAY_KEPT read as None."""
+    return _read(path, tensors=False)[0]
+
+
+def read_gguf_tensor_infos(path: Path) -> list[TensorInfo]:
+    """The file's tensors (name, shape, type), in the file's order, without reading their data."""
+    return _read(path, tensors=True)[1]
+
+
+def _read(path: Path, tensors: bool) -> tuple[dict[str, Any], list[TensorInfo]]:
     path = Path(path)
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
@@ -79,13 +97,19 @@ def read_gguf_metadata(path: Path) -> dict[str, Any]:
             version = cursor.unpack("<I")
             if version not in (2, 3):
                 raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-            cursor.unpack("<Q")  # tensor count
+            tensor_count = cursor.unpack("<Q")
             count = cursor.unpack("<Q")
             metadata = {}
             for _ in range(count):
                 key = cursor.string()
                 metadata[key] = cursor.value(cursor.unpack("<I"))
-            return metadata
+            infos = []
+            for _ in range(tensor_count if tensors else 0):
+                name = cursor.string()
+                shape = tuple(cursor.unpack("<Q") for _ in range(cursor.unpack("<I")))
+                infos.append(TensorInfo(name, shape, GGMLQuantizationType(cursor.unpack("<I"))))
+                cursor.unpack("<Q")  # the data's offset
+            return metadata, infos
     except ModelLoadError:
         raise
     except (OSError, ValueError, struct.error) as e:  # unreadable, empty (mmap), truncated or damaged

@@ -74,12 +74,10 @@ def choose(requested: str, source: Path, device: str = "cpu", compute_dtype: tor
 
 
 def _exact_for_gguf(path: Path) -> tuple[str, str]:
-    import gguf
-
+    from .gguf_metadata import read_gguf_tensor_infos
     from .gguf_quant import exact_kind
 
-    reader = gguf.GGUFReader(path)
-    kinds = {exact_kind(t.tensor_type) for t in reader.tensors
+    kinds = {exact_kind(t.tensor_type) for t in read_gguf_tensor_infos(path)
              if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))}
     if None in kinds or not kinds:
         return "fp32", "no measurements for this model, and not every matrix fits a narrower dtype exactly"

