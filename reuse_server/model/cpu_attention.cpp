@@ -156,30 +156,143 @@ void score_chunk(const float* const* krow, int keys, const float* qt, int hd, fl
     for (; k < keys; ++k) score_tile<RV, 1>(krow + k, qt, hd, st + k * MAX_ROWS);
 }
 
-// o[row][:] += sum_k p[k * MAX_ROWS + row] * vrow[k][:], for rows 0..rows-1 (rounded up to the tile);
-// vscale[k]: row k's scale (scaled formats).
+// o[i][:] += sum_k p[k * key_stride + i * row_stride] * vrow[k][:] for RT rows i, keys in order; vscale[k]: row
+// k's scale (scaled formats). Each row's sums are its own: which tile computes a row never changes it.
+template <int HV, int RT, typename T>
+inline void value_tile(const T* const* vrow, const float* vscale, int keys, const float* p, int key_stride,
+                       int row_stride, float* o, int hd) {
+    v16 acc[RT][HV];
+    for (int i = 0; i < RT; ++i)
+        for (int h = 0; h < HV; ++h) acc[i][h] = load(o + i * hd + h * LANES);
+    for (int k = 0; k < keys; ++k) {
+        v16 vv[HV];
+        for (int h = 0; h < HV; ++h) vv[h] = widen(vrow[k] + h * LANES);
+        if constexpr (Format<T>::scaled)
+            for (int h = 0; h < HV; ++h) vv[h] *= splat(vscale[k]);
+        const float* pk = p + k * key_stride;
+        for (int i = 0; i < RT; ++i) {
+            const v16 pb = splat(pk[i * row_stride]);
+            for (int h = 0; h < HV; ++h) acc[i][h] += pb * vv[h];
+        }
+    }
+    for (int i = 0; i < RT; ++i)
+        for (int h = 0; h < HV; ++h) store(o + i * hd + h * LANES, acc[i][h]);
+}
+
+// o[row][:] += sum_k p[k * MAX_ROWS + row] * vrow[k][:], for rows 0..rows-1 (rounded up to the tile).
 template <int HV, typename T>
 void value_chunk(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd) {
     constexpr int RT = 24 / HV;
-    for (int i0 = 0; i0 < rows; i0 += RT) {
-        v16 acc[RT][HV];
-        for (int i = 0; i < RT; ++i)
-            for (int h = 0; h < HV; ++h) acc[i][h] = load(o + (i0 + i) * hd + h * LANES);
-        for (int k = 0; k < keys; ++k) {
-            v16 vv[HV];
-            for (int h = 0; h < HV; ++h) vv[h] = widen(vrow[k] + h * LANES);
-            if constexpr (Format<T>::scaled)
-                for (int h = 0; h < HV; ++h) vv[h] *= splat(vscale[k]);
-            const float* pk = p + k * MAX_ROWS + i0;
-            for (int i = 0; i < RT; ++i) {
-                const v16 pb = splat(pk[i]);
-                for (int h = 0; h < HV; ++h) acc[i][h] += pb * vv[h];
-            }
-        }
-        for (int i = 0; i < RT; ++i)
-            for (int h = 0; h < HV; ++h) store(o + (i0 + i) * hd + h * LANES, acc[i][h]);
+    for (int i0 = 0; i0 < rows; i0 += RT)
+        value_tile<HV, RT>(vrow, vscale, keys, p + i0, MAX_ROWS, 1, o + i0 * hd, hd);
+}
+
+// ---- Few rows (a decode step: one token's query heads of a KV head) -------------------------------------
+// With rows as lanes, a unit of 3 rows fills 3 of 16 lanes: its scores, softmax and values cost what 16 rows
+// cost. With up to 16 rows the chunk runs keys as lanes instead: its K rows transposed once (kt[d][key]), each
+// row's scores 16 keys a vector, its exponentials likewise, then its values in a tile of its own rows. Every
+// number is computed as the rows-as-lanes path computes it (the same products summed over d in order, the same
+// exponential lane by lane, each row's sum over keys in key order), so a token's output has the same bits
+// decoded alone as among a prefill's rows (tests/model/test_cpu_attention.py).
+#if defined(__AVX512F__)
+constexpr bool KEYS_AS_LANES = true;
+
+// 16 rows of 16 floats, transposed in registers: r[c] becomes column c.
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // s[4i + c]: in 128-bit lane l, column 4l + c of rows 4i .. 4i + 3
+    __m512 s[16];
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        s[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        s[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        s[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        s[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+        const __m512 lo_a = _mm512_shuffle_f32x4(s[c], s[4 + c], 0x44), lo_b = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], 0x44);
+        const __m512 hi_a = _mm512_shuffle_f32x4(s[c], s[4 + c], 0xee), hi_b = _mm512_shuffle_f32x4(s[8 + c], s[12 + c], 0xee);
+        r[c] = _mm512_shuffle_f32x4(lo_a, lo_b, 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(lo_a, lo_b, 0xdd);
+        r[8 + c] = _mm512_shuffle_f32x4(hi_a, hi_b, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(hi_a, hi_b, 0xdd);
     }
 }
+
+// kt[d][j] = kq[j][d] for the chunk's keys, zeros for the columns past them (a whole CHUNK of columns).
+template <typename T>
+void transpose_keys(const float* const* kq, int keys, int hd, float* kt, const T* const* knext,
+                    const T* const* vnext, int nnext) {
+    alignas(64) static const float zeros[MAX_HEAD_DIM] = {};
+    for (int j0 = 0; j0 < CHUNK; j0 += LANES) {
+        if (j0 >= keys) {
+            for (int d = 0; d < hd; ++d) _mm512_store_ps(kt + d * CHUNK + j0, _mm512_setzero_ps());
+            continue;
+        }
+        prefetch_rows(knext, j0, j0 + LANES, nnext, hd);
+        prefetch_rows(vnext, j0, j0 + LANES, nnext, hd);
+        const float* src[LANES];
+        for (int j = 0; j < LANES; ++j) src[j] = j0 + j < keys ? kq[j0 + j] : zeros;
+        for (int d0 = 0; d0 < hd; d0 += LANES) {
+            __m512 r[16];
+            for (int j = 0; j < LANES; ++j) r[j] = _mm512_loadu_ps(src[j] + d0);
+            transpose16(r);
+            for (int c = 0; c < LANES; ++c) _mm512_store_ps(kt + (d0 + c) * CHUNK + j0, r[c]);
+        }
+    }
+}
+
+// sc[i][j] (row r0 + i, key j of the chunk) = sum over d in order of qt[d][r0 + i] * kt[d][j], NR rows at once.
+template <int NR>
+inline void key_scores(const float* qt, int r0, const float* kt, int hd, float* sc) {
+    v16 acc[NR][CHUNK / LANES];
+    for (int i = 0; i < NR; ++i)
+        for (int g = 0; g < CHUNK / LANES; ++g) acc[i][g] = v16{};
+    for (int d = 0; d < hd; ++d) {
+        v16 kv[CHUNK / LANES];
+        for (int g = 0; g < CHUNK / LANES; ++g) kv[g] = load(kt + d * CHUNK + g * LANES);
+        for (int i = 0; i < NR; ++i) {
+            const v16 qb = splat(qt[d * MAX_ROWS + r0 + i]);
+            for (int g = 0; g < CHUNK / LANES; ++g) acc[i][g] += kv[g] * qb;
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int g = 0; g < CHUNK / LANES; ++g) store(sc + (r0 + i) * CHUNK + g * LANES, acc[i][g]);
+}
+
+inline float lanes_max(v16 v) {
+    __m512 x;
+    std::memcpy(&x, &v, sizeof x);
+    return _mm512_reduce_max_ps(x);
+}
+#else
+constexpr bool KEYS_AS_LANES = false;
+#endif
+
+#if defined(__AVX512F__)
+// o[i][:] += sum_k p[i * CHUNK + k] * vrow[k][:] for rows 0..rows-1, in tiles of exactly the rows there are.
+template <int HV, typename T>
+void value_rows(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd) {
+    constexpr int TILE = HV >= 8 ? 3 : 6;
+    for (int i0 = 0; i0 < rows; i0 += TILE) {
+        const float* pi = p + i0 * CHUNK;
+        float* oi = o + i0 * hd;
+        switch (std::min(TILE, rows - i0)) {
+            case 1: value_tile<HV, 1>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            case 2: value_tile<HV, 2>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            case 3: value_tile<HV, 3>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            case 4: value_tile<HV, 4>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            case 5: value_tile<HV, 5>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            default: value_tile<HV, 6>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+        }
+    }
+}
+#endif
 
 // The rows value_chunk runs for a unit of `rows` rows: whole tiles of its RT.
 inline int64_t pv_tile_rows(int64_t rows, int64_t hd) {
@@ -202,6 +315,71 @@ struct Problem {
     float scale;
 };
 
+#if defined(__AVX512F__)
+// A chunk's scores and softmax for up to 16 rows, keys as lanes (see KEYS_AS_LANES): leaves each row's weights
+// in sc[row][key], and its running max, exp-sum and rescale factor in m, l and alpha, as the rows-as-lanes code
+// below computes them.
+template <typename T>
+void few_rows_chunk(const float* const* kq, int keys, int64_t j0, bool masked, const float* hi, const float* lo,
+                    const float* qt, int hd, int rows, float* kt, float* sc, float* m, float* l, float* alpha,
+                    const T* const* knext, const T* const* vnext, int nnext) {
+    transpose_keys<T>(kq, keys, hd, kt, knext, vnext, nnext);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) key_scores<4>(qt, r, kt, hd, sc);
+    switch (rows - r) {
+        case 3: key_scores<3>(qt, r, kt, hd, sc); break;
+        case 2: key_scores<2>(qt, r, kt, hd, sc); break;
+        case 1: key_scores<1>(qt, r, kt, hd, sc); break;
+        default: break;
+    }
+    const int groups = (keys + LANES - 1) / LANES;
+    v16 lane{};
+    for (int j = 0; j < LANES; ++j) lane[j] = (float)j;
+    const v16 end = splat((float)(j0 + keys));
+    alignas(64) float mx[LANES], sums[LANES];
+    for (int i = 0; i < LANES; ++i) {
+        mx[i] = -INFINITY;
+        sums[i] = 0.f;
+    }
+    for (int i = 0; i < rows; ++i) {
+        float* si = sc + i * CHUNK;
+        v16 top = splat(-INFINITY);
+        for (int g = 0; g < groups; ++g) {
+            const v16 key = splat((float)(j0 + g * LANES)) + lane;
+            v16 s = load(si + g * LANES);
+            if (masked) {
+                s = (key <= splat(hi[i])) & (key >= splat(lo[i])) ? s : splat(-INFINITY);
+                store(si + g * LANES, s);
+            }
+            top = vmax(top, key < end ? s : splat(-INFINITY));
+        }
+        mx[i] = lanes_max(top);
+    }
+    const v16 m_old = load(m);
+    const v16 m_new = vmax(m_old, load(mx));
+    // rows that have seen no visible key yet keep m = -inf, l = 0, o = 0
+    const v16 shift = m_new == splat(-INFINITY) ? splat(0.f) : m_new;
+    const v16 a = m_old == splat(-INFINITY) ? splat(0.f) : vexp(m_old - shift);
+    alignas(64) float shifts[LANES];
+    store(shifts, shift);
+    for (int i = 0; i < rows; ++i) {
+        float* si = sc + i * CHUNK;
+        for (int g = 0; g < groups; ++g) {
+            const v16 s = load(si + g * LANES);
+            v16 p = vexp(s - splat(shifts[i]));
+            if (masked) p = s == splat(-INFINITY) ? splat(0.f) : p;
+            store(si + g * LANES, p);
+        }
+        float sum = 0.f;  // in key order, as a row's lane adds them
+        for (int j = 0; j < keys; ++j) sum += si[j];
+        sums[i] = sum;
+    }
+    store(l, load(l) * a + load(sums));
+    store(m, m_new);
+    store(alpha, a);
+}
+#endif
+
 // One task: a unit's rows against keys [key_begin, key_end). Leaves the unnormalized output rows in o
 // ([PAD_ROWS][hd]) and each row's running max and exp-sum in m and l.
 template <typename T>
@@ -210,6 +388,9 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     alignas(64) float qt[MAX_HEAD_DIM * MAX_ROWS];
     alignas(64) float st[CHUNK * MAX_ROWS + 32];  // + the PV tiles' overrun past the last row
     alignas(64) float hi[MAX_ROWS], lo[MAX_ROWS], alpha[MAX_ROWS];
+    // few rows (KEYS_AS_LANES): the chunk's K transposed, and each row's scores, then weights, over its keys
+    alignas(64) float kt[KEYS_AS_LANES ? MAX_HEAD_DIM * CHUNK : 1];
+    alignas(64) float sc[KEYS_AS_LANES ? LANES * CHUNK : 1];
     const T* rows[4][CHUNK];  // this chunk's K and V rows in the pool, and the next chunk's
     const T** krow = rows[0];
     const T** vrow = rows[1];
@@ -229,6 +410,7 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const int64_t q0 = info[0];
     const int64_t* table = pb.block_tables + info[3];
     const int rv = (int)((u.rows + LANES - 1) / LANES);
+    const bool few = KEYS_AS_LANES && rv == 1;
 
     // Zeroed: only what is read and not written first (a decode unit has a few rows of the 64 these buffers
     // hold; zeroing all of them cost more than its attention). The score tiles read q's lanes up to rv vectors;
@@ -294,44 +476,51 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
             }
             kq = kf;
         }
-        switch (rv) {
-            case 1: score_chunk<1>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
-            case 2: score_chunk<2>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
-            case 3: score_chunk<3>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
-            default: score_chunk<4>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
-        }
         const bool masked = (float)(j0 + keys - 1) > min_hi || (float)j0 < max_lo;
-        for (int v = 0; v < rv; ++v) {
-            float* sv = st + v * LANES;
-            v16 mx = splat(-INFINITY);
-            if (masked) {
-                const v16 hv = load(hi + v * LANES), lv = load(lo + v * LANES);
-                for (int j = 0; j < keys; ++j) {
-                    const v16 key = splat((float)(j0 + j));
-                    v16 s = load(sv + j * MAX_ROWS);
-                    s = (key <= hv) & (key >= lv) ? s : splat(-INFINITY);
-                    store(sv + j * MAX_ROWS, s);
-                    mx = vmax(mx, s);
+        if (few) {
+#if defined(__AVX512F__)
+            few_rows_chunk<T>(kq, keys, j0, masked, hi, lo, qt, hd, (int)u.rows, kt, sc, m, l, alpha, knext, vnext,
+                              next_keys);
+#endif
+        } else {
+            switch (rv) {
+                case 1: score_chunk<1>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+                case 2: score_chunk<2>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+                case 3: score_chunk<3>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+                default: score_chunk<4>(kq, keys, qt, hd, st, knext, vnext, next_keys); break;
+            }
+            for (int v = 0; v < rv; ++v) {
+                float* sv = st + v * LANES;
+                v16 mx = splat(-INFINITY);
+                if (masked) {
+                    const v16 hv = load(hi + v * LANES), lv = load(lo + v * LANES);
+                    for (int j = 0; j < keys; ++j) {
+                        const v16 key = splat((float)(j0 + j));
+                        v16 s = load(sv + j * MAX_ROWS);
+                        s = (key <= hv) & (key >= lv) ? s : splat(-INFINITY);
+                        store(sv + j * MAX_ROWS, s);
+                        mx = vmax(mx, s);
+                    }
+                } else {
+                    for (int j = 0; j < keys; ++j) mx = vmax(mx, load(sv + j * MAX_ROWS));
                 }
-            } else {
-                for (int j = 0; j < keys; ++j) mx = vmax(mx, load(sv + j * MAX_ROWS));
+                const v16 m_old = load(m + v * LANES);
+                const v16 m_new = vmax(m_old, mx);
+                // rows that have seen no visible key yet keep m = -inf, l = 0, o = 0
+                const v16 shift = m_new == splat(-INFINITY) ? splat(0.f) : m_new;
+                const v16 a = m_old == splat(-INFINITY) ? splat(0.f) : vexp(m_old - shift);
+                v16 sum = v16{};
+                for (int j = 0; j < keys; ++j) {
+                    const v16 s = load(sv + j * MAX_ROWS);
+                    v16 p = vexp(s - shift);
+                    if (masked) p = s == splat(-INFINITY) ? splat(0.f) : p;
+                    store(sv + j * MAX_ROWS, p);
+                    sum += p;
+                }
+                store(l + v * LANES, load(l + v * LANES) * a + sum);
+                store(m + v * LANES, m_new);
+                store(alpha + v * LANES, a);
             }
-            const v16 m_old = load(m + v * LANES);
-            const v16 m_new = vmax(m_old, mx);
-            // rows that have seen no visible key yet keep m = -inf, l = 0, o = 0
-            const v16 shift = m_new == splat(-INFINITY) ? splat(0.f) : m_new;
-            const v16 a = m_old == splat(-INFINITY) ? splat(0.f) : vexp(m_old - shift);
-            v16 sum = v16{};
-            for (int j = 0; j < keys; ++j) {
-                const v16 s = load(sv + j * MAX_ROWS);
-                v16 p = vexp(s - shift);
-                if (masked) p = s == splat(-INFINITY) ? splat(0.f) : p;
-                store(sv + j * MAX_ROWS, p);
-                sum += p;
-            }
-            store(l + v * LANES, load(l + v * LANES) * a + sum);
-            store(m + v * LANES, m_new);
-            store(alpha + v * LANES, a);
         }
         if (j0 > key_begin) {
             for (int64_t r = 0; r < u.rows; ++r) {
@@ -339,11 +528,22 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
                 for (int d = 0; d < hd; ++d) o[r * hd + d] *= a;
             }
         }
-        switch (hd / LANES) {
-            case 1: value_chunk<1>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
-            case 2: value_chunk<2>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
-            case 4: value_chunk<4>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
-            default: value_chunk<8>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+        if (few) {
+#if defined(__AVX512F__)
+            switch (hd / LANES) {
+                case 1: value_rows<1>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
+                case 2: value_rows<2>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
+                case 4: value_rows<4>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
+                default: value_rows<8>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
+            }
+#endif
+        } else {
+            switch (hd / LANES) {
+                case 1: value_chunk<1>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+                case 2: value_chunk<2>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+                case 4: value_chunk<4>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+                default: value_chunk<8>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+            }
         }
     }
 }

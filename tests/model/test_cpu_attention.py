@@ -139,6 +139,34 @@ def test_every_kv_dtype(kernel, dtype):
              dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 4, 16), (4, 1, 64)])
+def test_a_token_decoded_alone_has_the_bits_it_has_among_a_prefills_rows(kernel, dtype, heads, kv_heads, head_dim):
+    """A decode unit (one token's query heads of a KV head) runs keys as vector lanes, a prefill's 64 rows run
+    rows as lanes; each token's output must be the same bits either way, or KV cached from a decode step would
+    differ from the same tokens prefilled (prefix reuse would not be exact). Not with a sliding window: there a
+    unit's chunks of keys start at its first row's window, so a decode unit and a prefill's chunk them
+    differently and their sums round differently (both before and after keys ran as lanes)."""
+    window = None
+    gen = torch.Generator().manual_seed(11)
+    print("seed 11")
+    bs, ctx = 16, 700  # one task per unit: no split of the keys
+    n = 64 // (heads // kv_heads)  # the prefill's tokens: one unit of up to 64 rows per KV head
+    pool = KVPool(1, ctx // bs + 9, bs, kv_heads, head_dim, dtype)
+    fill_pool(pool, gen)
+    table = torch.randperm(pool.num_blocks, generator=gen)[:-(-ctx // bs)]
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    positions = torch.arange(ctx - n, ctx)
+    scale = head_dim ** -0.5
+    plan = KernelPlan([0, n], [table], [ctx], positions, bs, pool.num_blocks)
+    prefilled = kernel(q, plan, pool, 0, scale, window)
+    for i in range(n):
+        p = int(positions[i])
+        alone = kernel(q[i:i + 1], KernelPlan([0, 1], [table], [p + 1], positions[i:i + 1], bs, pool.num_blocks),
+                       pool, 0, scale, window)
+        assert torch.equal(alone[0], prefilled[i]), (i, (alone[0] - prefilled[i]).abs().max().item())
+
+
 # max |attention over the pool - attention over the same K/V in fp32| / max |the latter|, for q, K, V drawn
 # from N(0, 1), 1,200 keys: the error the storage dtype costs (about twice what was measured).
 CLOSE_TO_FP32 = {torch.float16: 1e-3, torch.bfloat16: 6e-3, torch.float8_e4m3fn: 0.1, torch.int8: 2e-2}
