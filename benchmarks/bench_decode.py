@@ -1,7 +1,7 @@
 """Where one decode step's time goes, on the bundled SmolLM2 with int4 weights (issue #28).
 
 In this process, through the engine (`LLMEngine.step`, as the server's engine thread runs it), one stream
-decoding `--tokens` tokens after a short prompt:
+decoding `--tokens` tokens after a short prompt (or `--context` tokens of one):
 - step_ms: a whole step (schedule, forward, sample, update), uninstrumented, best of --repeats runs;
 - forward_ms: the runner's forward alone (inputs built, layers, head), uninstrumented;
 - then one more pass with timers around the parts (each timed inclusive of its own Python call): linear
@@ -22,6 +22,7 @@ With --products, only the model's quantized products of one decode step, replaye
 through this tree's kernels and any other builds given (--library), alternating in one process.
 
     .venv/bin/python -m benchmarks.bench_decode [--tokens 128] [--threads 2] [--no-http] [--no-fused]
+    .venv/bin/python -m benchmarks.bench_decode --no-http --no-llama --context 4096
     .venv/bin/python -m benchmarks.bench_decode --products [--library OTHER_BUILD.so ...]
 
 Prints JSON lines. The CPU is shared: compare figures within one run.
@@ -96,6 +97,8 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
     engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
+    if args.context:  # a long context: the decode's attention reads args.context tokens of K/V a layer
+        prompt = (prompt * (args.context // len(prompt) + 1))[:args.context]
     runner = engine.runner
     model = runner.model
 
@@ -289,6 +292,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
+    ap.add_argument("--context", type=int, default=0,
+                    help="in process: decode after a prompt of this many tokens (default: one short sentence)")
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even when it is on PATH")
     ap.add_argument("--no-fused", action="store_true",
@@ -313,6 +318,7 @@ def main() -> None:
     rows = engine_breakdown(args, modes)
     for fused in modes:
         row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, tokens=args.tokens, fused=fused,
+                   context=args.context or None,
                    read_gb_s=read_gb_s, **rows[fused])
         if not args.no_http:
             row.update(http_figures(args, fused))
