@@ -578,7 +578,10 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
                     first = std::min(first, positions[t]);
                     last = std::max(last, positions[t]);
                 }
-                const int64_t begin = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+                // A window's first key rounded down to a whole chunk: chunks then start at multiples of CHUNK
+                // for every unit, so a decode unit and a prefill's chunk a row's keys alike (the keys before its
+                // window are masked: they add exact zeros), and the row's sums are the same.
+                const int64_t begin = window > 0 ? std::max<int64_t>(0, first - window + 1) / CHUNK * CHUNK : 0;
                 const int64_t end = std::min(last + 1, info[2]);
                 units.push_back({s, h, r0, n, begin, std::max(begin, end), 0, 0});
             }

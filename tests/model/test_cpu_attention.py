@@ -140,14 +140,14 @@ def test_every_kv_dtype(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 40, 300])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 4, 16), (4, 1, 64)])
-def test_a_token_decoded_alone_has_the_bits_it_has_among_a_prefills_rows(kernel, dtype, heads, kv_heads, head_dim):
+def test_a_token_decoded_alone_has_the_bits_it_has_among_a_prefills_rows(kernel, dtype, window, heads, kv_heads,
+                                                                         head_dim):
     """A decode unit (one token's query heads of a KV head) runs keys as vector lanes, a prefill's 64 rows run
     rows as lanes; each token's output must be the same bits either way, or KV cached from a decode step would
-    differ from the same tokens prefilled (prefix reuse would not be exact). Not with a sliding window: there a
-    unit's chunks of keys start at its first row's window, so a decode unit and a prefill's chunk them
-    differently and their sums round differently (both before and after keys ran as lanes)."""
-    window = None
+    differ from the same tokens prefilled (prefix reuse would not be exact). With a sliding window too: every
+    unit's chunks of keys start at a multiple of the chunk, wherever its rows' windows begin."""
     gen = torch.Generator().manual_seed(11)
     print("seed 11")
     bs, ctx = 16, 700  # one task per unit: no split of the keys
