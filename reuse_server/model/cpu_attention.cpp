@@ -270,11 +270,7 @@ inline float lanes_max(v16 v) {
     std::memcpy(&x, &v, sizeof x);
     return _mm512_reduce_max_ps(x);
 }
-#else
-constexpr bool KEYS_AS_LANES = false;
-#endif
 
-#if defined(__AVX512F__)
 // o[i][:] += sum_k p[i * CHUNK + k] * vrow[k][:] for rows 0..rows-1, in tiles of exactly the rows there are.
 template <int HV, typename T>
 void value_rows(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd) {
@@ -292,6 +288,8 @@ void value_rows(const T* const* vrow, const float* vscale, int keys, const float
         }
     }
 }
+#else
+constexpr bool KEYS_AS_LANES = false;
 #endif
 
 // The rows value_chunk runs for a unit of `rows` rows: whole tiles of its RT.
