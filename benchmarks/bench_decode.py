@@ -94,7 +94,8 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
     from reuse_server.model import cpu_linear, quant_linear
 
-    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
+    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                                       kv_cache_memory=384 * MIB))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
     if args.context:  # a long context: the decode's attention reads args.context tokens of K/V a layer
@@ -203,7 +204,8 @@ def product_figures(args) -> list[dict]:
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
     from reuse_server.model import native, quant_linear
 
-    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, kv_cache_memory=384 * MIB))
+    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                                       kv_cache_memory=384 * MIB))
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
     engine.add_request("p", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
                        CacheOptions(prefix_cache=False))
@@ -252,8 +254,8 @@ def http_figures(args, fused: bool) -> dict:
     from reuse_server.model.fused_decode import ENV
 
     os.environ[ENV] = "1" if fused else "0"  # the server's model reads it as it packs its weights
-    with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--kv-cache-memory", "384MiB") \
-            as (url, _proc):
+    with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
+                        args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, _proc):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
         model = served_model(url)
         decode(client, model, 1, 4)  # lazy initialisation out of the way
@@ -292,6 +294,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
+    ap.add_argument("--activation-dtype", default="fp32", choices=["fp32", "int8"],
+                    help="the server's --activation-dtype (int8: integer products, logits not fp32 activations')")
     ap.add_argument("--context", type=int, default=0,
                     help="in process: decode after a prompt of this many tokens (default: one short sentence)")
     ap.add_argument("--no-http", action="store_true")
@@ -317,7 +321,8 @@ def main() -> None:
     read_gb_s = round(read_bandwidth_gb_s(), 1)
     rows = engine_breakdown(args, modes)
     for fused in modes:
-        row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, tokens=args.tokens, fused=fused,
+        row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                   tokens=args.tokens, fused=fused,
                    context=args.context or None,
                    read_gb_s=read_gb_s, **rows[fused])
         if not args.no_http:

@@ -1,7 +1,8 @@
 """Weight dtypes side by side in one run: memory, decode, prefill, TTFT and quality against fp32, with
 llama.cpp's server on the same GGUF beside them when `llama-server` is on PATH.
 
-Per weight dtype (fp32, bf16, int8, int4; `auto` is reported as the dtype it picks), one server after another,
+Per weight dtype (fp32, bf16, int8, int4; `auto` is reported as the dtype it picks; "int4+a8" is int4 with
+--activation-dtype int8), one server after another,
 everything over HTTP with the openai client:
 - rss_mib: the server's resident set after start-up and the requests above; ours holds a KV pool of
   --kv-cache-memory (written once at start, so resident), llama-server an f16 KV cache of its --ctx-size;
@@ -144,10 +145,17 @@ def llama_server(binary: str, gguf: Path, threads: int, slots: int, ctx: int) ->
 
 # ---- quality, through the engine ----------------------------------------------------------------------------
 
-def quality_run(weight_dtype: str, cases, tokenizer, args) -> dict:
+def split_dtype(name: str) -> tuple[str, str]:
+    """(weight dtype, activation dtype) of a --dtypes entry: "int4+a8" is int4 weights on int8 activations."""
+    weights, _, a8 = name.partition("+")
+    return weights, "int8" if a8 == "a8" else "fp32"
+
+
+def quality_run(dtype: str, cases, tokenizer, args) -> dict:
     """First-token logits and answers of the needle cases, greedy continuations, and the weights' bytes."""
-    engine = build_engine(EngineConfig(weight_dtype=weight_dtype, kv_cache_memory=512 * MIB, blend_key_shift=False,
-                                    max_num_batched_tokens=8192))
+    weight_dtype, activation_dtype = split_dtype(dtype)
+    engine = build_engine(EngineConfig(weight_dtype=weight_dtype, activation_dtype=activation_dtype,
+                                       kv_cache_memory=512 * MIB, blend_key_shift=False, max_num_batched_tokens=8192))
     engine.sampler = sampler = CapturingSampler()
     greedy = SamplingParams(max_tokens=args.needle_tokens, temperature=0.0)
     answers = []
@@ -227,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                  quantized_weights_mib=run["quantized_weights_mib"], **quality_against(reference, run))
 
     for dtype in [] if args.skip_servers else dtypes:
-        with server_process("--model", "smollm2", "--weight-dtype", dtype, "--kv-cache-memory", args.kv_cache_memory,
+        weight_dtype, activation_dtype = split_dtype(dtype)
+        with server_process("--model", "smollm2", "--weight-dtype", weight_dtype, "--activation-dtype",
+                            activation_dtype, "--kv-cache-memory", args.kv_cache_memory,
                             "--max-num-batched-tokens", "8192", "--no-blend-key-shift") as (url, proc):
             emit(bench="weights_server", server="ours", weight_dtype=dtype, threads=threads,
                  kv_cache_memory=args.kv_cache_memory, **http_figures(url, proc.pid, tokenizer, source, args))

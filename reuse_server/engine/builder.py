@@ -79,8 +79,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(path)
     bs = config.block_size
     kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
-    identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo)
-    model.pack_for_cpu(config.cpu_matmul)
+    identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo, config.activation_dtype)
+    model.pack_for_cpu(config.cpu_matmul, config.activation_dtype)
     # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
     on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
     attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel()

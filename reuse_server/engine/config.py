@@ -33,6 +33,10 @@ class EngineConfig:
     # scales; the output head in at least int8), or auto: the narrowest within measured quality bounds
     # (model/weight_dtype.py)
     weight_dtype: str = "auto"
+    # int8: int8/int4 weights' products quantize their activations to int8 per group of 32 and run as integer
+    # dot products (llama.cpp's way; model/cpu_quant_a8.cpp): faster decode, logits no longer fp32
+    # activations'. fp32: exact.
+    activation_dtype: str = "fp32"
     # the KV pool's storage (kv_layout.KV_DTYPES: fp32, fp16, bf16, fp8_e4m3, int8); auto: the weights' dtype
     kv_dtype: str = "auto"
     # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
@@ -90,6 +94,8 @@ class EngineConfig:
             kv_layout.kv_dtype(self.kv_dtype)
         except ValueError as exc:
             problems.append(str(exc))
+        if self.activation_dtype not in ("fp32", "int8"):
+            problems.append(f"unknown activation_dtype {self.activation_dtype!r}; choose fp32 or int8")
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
         if self.cpu_attention not in CPU_ATTENTIONS:

@@ -4,7 +4,7 @@ that seeds every block hash (radix.hashing).
 Two servers whose fingerprints agree compute the same KV for the same tokens, so they may share blocks (a
 disk tier after a restart, a Redis tier between servers); anything that changes the KV changes the
 fingerprint: the architecture, the weights as loaded (their bytes, so a re-quantized or fine-tuned file
-differs), the compute dtype, the tokenizer and chat template, the block size, the KV storage dtype and the
+differs), the compute dtype (and int8 activations), the tokenizer and chat template, the block size, the KV storage dtype and the
 hash algorithm. The served model name is not part of it: renaming a model keeps its cache."""
 from __future__ import annotations
 
@@ -29,9 +29,15 @@ class ModelFingerprint:
     block_size: int
     hash_algo: str
     version: int = FINGERPRINT_VERSION
+    # the products' activations where not the compute dtype (--activation-dtype int8); None, and then left out
+    # of the identity, keeps the fingerprints servers had before the option
+    activations: str | None = None
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["activations"] is None:
+            del d["activations"]
+        return d
 
     @property
     def identity(self) -> bytes:
@@ -72,8 +78,9 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def fingerprint(model: torch.nn.Module, model_config, tokenizer, dtype: torch.dtype, kv_dtype: torch.dtype,
-                block_size: int, hash_algo: str) -> ModelFingerprint:
+                block_size: int, hash_algo: str, activations: str = "fp32") -> ModelFingerprint:
     return ModelFingerprint(
         model=json.dumps(dataclasses.asdict(model_config), sort_keys=True, default=str),
         weights=weights_digest(model), tokenizer=tokenizer_digest(tokenizer), dtype=str(dtype).removeprefix("torch."),
-        kv_dtype=str(kv_dtype).removeprefix("torch."), block_size=block_size, hash_algo=hash_algo)
+        kv_dtype=str(kv_dtype).removeprefix("torch."), block_size=block_size, hash_algo=hash_algo,
+        activations=None if activations == "fp32" else activations)

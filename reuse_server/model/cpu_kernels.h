@@ -18,6 +18,9 @@ void kv_linear_f32(const float* x, int64_t m, int64_t ldx, int64_t k, const floa
 int kv_quant_linear_f32(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t format, const uint8_t* panels,
                         const void* scales, const void* mins, int64_t half_scales, int64_t group,
                         const float* bias, int64_t n, float* y, int64_t num_threads);
+int kv_quant_linear_a8(const float* x, int64_t m, int64_t ldx, int64_t k, int64_t int8, const uint8_t* panels,
+                       const void* scales, const void* mins, int64_t half_scales, int64_t group, const float* bias,
+                       int64_t n, float* y, int64_t num_threads);
 
 int kv_paged_attention_f32(const float* q, int64_t q_token_stride, float* out, const float* k_pool,
                            const float* v_pool, int64_t num_seqs, const int64_t* seq_info,

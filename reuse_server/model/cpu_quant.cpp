@@ -54,7 +54,8 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef _Float16 h16 __attribute__((vector_size(32)));
 
-enum Format : int64_t { BF16 = 0, INT8 = 1, INT4 = 2 };
+// INT8_A8 and INT4_A8: the same codes with int8 activations, in cpu_quant_a8.cpp's layout.
+enum Format : int64_t { BF16 = 0, INT8 = 1, INT4 = 2, INT8_A8 = 3, INT4_A8 = 4 };
 
 // 16 bytes (unsigned or signed) or 16 bf16 to 16 fp32 lanes. gcc's vector conversions widen 8-bit lanes one at
 // a time, so AVX-512 gets the widening instructions by name.
@@ -414,6 +415,10 @@ extern "C" int kv_quant_linear_f32(const float* x, int64_t m, int64_t ldx, int64
                    return 0;
         case INT4: linear_format<Int4>(x, m, ldx, k, panels, scales, mins, half_scales, grp, bias, n, y, threads);
                    return 0;
+        case INT8_A8:
+        case INT4_A8:
+            return kv_quant_linear_a8(x, m, ldx, k, format == INT8_A8, panels, scales, mins, half_scales, group, bias,
+                                      n, y, num_threads);
         default: return -1;
     }
 }

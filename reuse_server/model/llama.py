@@ -272,19 +272,22 @@ class LlamaModel(nn.Module):
         if self.local_rotary is not None:
             self.local_rotary.reset(device)
 
-    def pack_for_cpu(self, kind: str = "native") -> int:
+    def pack_for_cpu(self, kind: str = "native", activations: str = "fp32") -> int:
         """Run the linear layers and the output head on weights packed once (see cpu_linear: the native kernel
         in fp32, oneDNN), each attention's q/k/v projections as one, and decode steps' layers in one native
         call where they can (use_fused_decode). After this the model is for inference only: its state dict no
         longer holds the linear weights. Returns the number of linear layers packed (0 where it does not apply:
-        GPU, fp16, kind "torch")."""
-        packed = self._pack_linear_layers(kind)
+        GPU, fp16, kind "torch"). activations="int8" runs int8/int4 weights' products on int8 activations
+        (quant_linear.NativeQuantLinear)."""
+        packed = self._pack_linear_layers(kind, activations)
         self.use_fused_decode()
         return packed
 
-    def _pack_linear_layers(self, kind: str) -> int:
+    def _pack_linear_layers(self, kind: str, activations: str) -> int:
         if quant_linear.holds_quantized(self):  # weights held in fewer bits (--weight-dtype): their own kernels
-            return quant_linear.pack_quantized(self, kind)
+            return quant_linear.pack_quantized(self, kind, activations)
+        if activations != "fp32":
+            raise ValueError(f"{activations} activations need int8 or int4 weights (--weight-dtype)")
         head = packer(self.embed_tokens.weight, kind)
         if head is None:
             return 0

@@ -1,6 +1,6 @@
-"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_ops.cpp, cpu_quant.cpp, cpu_kv_store.cpp, and
-cpu_decode.cpp, which runs a decode step's layers through the others): built once into one shared library,
-loaded with ctypes.
+"""The C++ CPU kernels (cpu_attention.cpp, cpu_linear.cpp, cpu_ops.cpp, cpu_quant.cpp, cpu_quant_a8.cpp,
+cpu_kv_store.cpp, and cpu_decode.cpp, which runs a decode step's layers through the others): built once into one
+shared library, loaded with ctypes.
 
 They are compiled at first use with the host's C++ compiler for the host's instruction set (`-march=native`:
 gcc's vector extensions become AVX-512, AVX2 or SSE code), into the cache folder next to the converted
@@ -28,8 +28,8 @@ from .gguf_convert import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp", "cpu_kv_store.cpp",
-                        "cpu_decode.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp",
+                        "cpu_kv_store.cpp", "cpu_decode.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_tasks.h", "cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"

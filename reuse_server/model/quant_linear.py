@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 64  # output columns per panel (cpu_quant.cpp)
 _FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
+_FORMATS_A8 = {"int8": 3, "int4": 4}  # the same codes with int8 activations (cpu_quant_a8.cpp)
+ACTIVATION_DTYPES = ("fp32", "int8")
 
 
 class QuantizedLinear(nn.Module):
@@ -85,20 +87,30 @@ class QuantizedEmbedding(nn.Module):
 # ---- CPU: the native kernel -------------------------------------------------------------------------------
 
 class NativeQuantLinear(nn.Module):
-    """y = x W^T + b for 2-D fp32 x on the CPU, W's codes in panels of 64 output columns (cpu_quant.cpp)."""
+    """y = x W^T + b for 2-D fp32 x on the CPU, W's codes in panels of 64 output columns (cpu_quant.cpp).
+    activations="int8" (int8/int4 codes only) quantizes each row of x to int8 per group, and the products are
+    integer dot products (cpu_quant_a8.cpp): faster, but not fp32 activations' results."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, activations: str = "fp32"):
         super().__init__()
         library = native.load()
         if library is None:
             raise ValueError("NativeQuantLinear needs the built kernels")
-        self.kind, self.group = weight.kind, weight.group
+        if activations not in ACTIVATION_DTYPES:
+            raise ValueError(f"unknown activation dtype {activations!r}; choose one of {', '.join(ACTIVATION_DTYPES)}")
+        if activations == "int8" and not (weight.kind in _FORMATS_A8 and weight.shape[1] % 4 == 0
+                                          and weight.group % 4 == 0):
+            raise ValueError(f"int8 activations take int8/int4 weights with inputs and groups in fours, not "
+                             f"{weight.kind} {tuple(weight.shape)} group={weight.group}")
+        self.kind, self.group, self.activations = weight.kind, weight.group, activations
         self.out_features, self.in_features = n, k = weight.shape
         panels = -(-n // PANEL)
         pad = panels * PANEL - n
         by_panel = lambda t: F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
         codes = by_panel(weight.codes.view(torch.int16) if weight.kind == "bf16" else weight.codes)
-        if weight.kind == "int4":  # byte j of a k: column j in the low nibble, column j + 32 in the high one
+        if activations == "int8":
+            codes = _quads(codes)
+        elif weight.kind == "int4":  # byte j of a k: column j in the low nibble, column j + 32 in the high one
             codes = codes[..., :32] | (codes[..., 32:] << 4)
         self.__dict__["codes"] = codes
         # The kernel takes scales and minimums in one type: fp16 where both are, else fp32.
@@ -110,14 +122,16 @@ class NativeQuantLinear(nn.Module):
         self.__dict__["_fn"] = library.kv_quant_linear_f32
         # The kernel's arguments that never change, looked up once (a decode step makes ~150 calls); the fused
         # decode (fused_decode.py) hands them to the same kernel from C++.
+        fmt = (_FORMATS_A8 if activations == "int8" else _FORMATS)[self.kind]
         self.__dict__["kernel_weights"] = (
-            _FORMATS[self.kind], self.codes.data_ptr(), _ptr(self.scales), _ptr(self.mins),
+            fmt, self.codes.data_ptr(), _ptr(self.scales), _ptr(self.mins),
             int(self.scales is not None and self.scales.dtype == torch.float16), self.group, _ptr(self.bias),
             self.out_features)
 
     @classmethod
-    def stacked(cls, weights: list[QuantizedWeight], biases: list[torch.Tensor | None]) -> "NativeQuantLinear":
-        return cls(stack(weights), _stack_biases(weights, biases))
+    def stacked(cls, weights: list[QuantizedWeight], biases: list[torch.Tensor | None],
+                activations: str = "fp32") -> "NativeQuantLinear":
+        return cls(stack(weights), _stack_biases(weights, biases), activations)
 
     @property
     def nbytes(self) -> int:
@@ -135,7 +149,9 @@ class NativeQuantLinear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows of W (the tied embedding's lookups), read out of the panels: [len(ids), in_features]."""
         p, c = ids // PANEL, ids % PANEL
-        if self.kind == "int4":
+        if self.activations == "int8":
+            codes = _codes_of_quads(self.codes, self.kind, p, c)
+        elif self.kind == "int4":
             codes = (self.codes[p, :, c % 32] >> (4 * (c // 32)).to(torch.uint8).unsqueeze(1)) & 15
         else:
             codes = self.codes[p, :, c]
@@ -145,7 +161,26 @@ class NativeQuantLinear(nn.Module):
         return dequantize_rows(QuantizedWeight(self.kind, codes, pick(self.scales), pick(self.mins), self.group), None)
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+        return (f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+                + (", int8 activations" if self.activations == "int8" else ""))
+
+
+def _quads(codes: torch.Tensor) -> torch.Tensor:
+    """Panels [P][K][64] of int8/int4 codes in cpu_quant_a8.cpp's layout: per 4 inputs, each column's 4 codes
+    side by side; int8 stored + 128 as uint8, int4 two columns to a byte (column j low, j + 32 high)."""
+    p, k, _ = codes.shape
+    quads = codes.view(p, k // 4, 4, PANEL).transpose(2, 3)  # [P][K/4][64 columns][4 inputs]
+    if codes.dtype == torch.int8:
+        return (quads.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    return (quads[:, :, :32] | (quads[:, :, 32:] << 4)).contiguous()
+
+
+def _codes_of_quads(quads: torch.Tensor, kind: str, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Columns c of panels p as codes [len(c), K], out of _quads' layout."""
+    if kind == "int8":
+        return (quads[p, :, c].to(torch.int16) - 128).to(torch.int8).flatten(1)
+    nibbles = (quads[p, :, c % 32] >> (4 * (c // 32)).to(torch.uint8).view(-1, 1, 1)) & 15
+    return nibbles.flatten(1)
 
 
 def _ptr(t: torch.Tensor | None):
@@ -279,11 +314,13 @@ def holds_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())
 
 
-def pack_quantized(model: nn.Module, matmul: str = "native") -> int:
+def pack_quantized(model: nn.Module, matmul: str = "native", activations: str = "fp32") -> int:
     """Replace the loader's QuantizedLinear placeholders of a LlamaModel by the kernels that serve them on its
     device, q/k/v and gate/up each as one product, the head packed (a tied model's embedding then reads the
     packed head). `matmul` is --cpu-matmul: "native" lets the native kernel compete at start; otherwise only
-    torch's kernels do (and kinds without one run on fp32 weights). Returns the number of layers replaced."""
+    torch's kernels do (and kinds without one run on fp32 weights). activations="int8": the int8/int4 products
+    run on int8 activations through the native kernel (ValueError where it cannot). Returns the number of layers
+    replaced."""
     embed = model.embed_tokens
     device = embed.qweight.codes.device if isinstance(embed, QuantizedEmbedding) else embed.weight.device
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -293,7 +330,10 @@ def pack_quantized(model: nn.Module, matmul: str = "native") -> int:
     if isinstance(embed, QuantizedEmbedding) and model.lm_head is None:  # the tied head is a product too
         kinds.add(embed.qweight.kind)
     dtype = embed.dtype if isinstance(embed, QuantizedEmbedding) else embed.weight.dtype
-    make = _maker(device, dtype, kinds, model.layers[0], matmul == "native")
+    if activations == "int8":
+        make = _int8_activations_maker(device, dtype, matmul)
+    else:
+        make = _maker(device, dtype, kinds, model.layers[0], matmul == "native")
     packed = 0
     ops = cpu_ops.load() if device.type == "cpu" and dtype == torch.float32 else None
     model.backend.ops = ops  # norms and the gating of stacked gate/up products run natively
@@ -326,6 +366,24 @@ def pack_quantized(model: nn.Module, matmul: str = "native") -> int:
         for param in model.parameters():
             param.data = param.data.clone()
     return packed
+
+
+def _int8_activations_maker(device: torch.device, dtype: torch.dtype, matmul: str):
+    """make(weights, biases) for --activation-dtype int8: the native kernel's integer products; a product it
+    does not take (bf16 codes, inputs not in fours) keeps fp32 activations."""
+    if device.type != "cpu" or dtype != torch.float32 or matmul != "native" or native.load() is None:
+        why = native.failure() if native.load() is None else f"{device.type}, {dtype}, --cpu-matmul {matmul}"
+        raise ValueError(f"int8 activations run only in the native CPU kernel in float32 ({why})")
+
+    def make(weights, biases):
+        merged = stack(weights)
+        bias = _stack_biases(weights, biases)
+        try:
+            return NativeQuantLinear(merged, bias, "int8")
+        except ValueError as exc:
+            log.info("%s: fp32 activations for this product", exc)
+            return NativeQuantLinear(merged, bias)
+    return make
 
 
 def _maker(device: torch.device, dtype: torch.dtype, kinds: set[str], layer, allow_native: bool):

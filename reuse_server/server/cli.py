@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "GGUF's Q4/Q8 blocks load as they are, other checkpoints are quantized at load. auto: "
                             "the narrowest whose measured quality against fp32 is within bounds, else the "
                             "narrowest that holds the checkpoint's weights exactly (logged at start)")
+    serve.add_argument("--activation-dtype", default=defaults.activation_dtype, choices=["fp32", "int8"],
+                       help="int8: products on int8/int4 weights quantize their inputs to int8 per group of 32 and "
+                            "run as integer dot products, as llama.cpp does: faster decode on CPUs with AVX-512 "
+                            "VNNI, logits no longer fp32 activations' (BENCHMARKS.md \"Decode\" has both). "
+                            "fp32 (default): exact")
     serve.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=KV_DTYPE_CHOICES,
                        help="KV cache storage type, separate from the weights' (auto: the compute dtype). fp16 "
                             "and bf16 halve the pool's bytes per token; fp8_e4m3 (an fp32 scale per block and KV "
@@ -353,7 +358,7 @@ def add_kv_calc_parser(commands) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
         cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory, window_kv_share=args.window_kv_share or None,
         num_window_blocks=args.num_window_blocks,

@@ -1,5 +1,6 @@
 """The fused decode (fused_decode.py, cpu_decode.cpp): a decode step's layers in one native call give the per-op
-path's logits and pool contents bit for bit, for every weight kind it runs (fp32 panels, int4, int8) and every
+path's logits and pool contents bit for bit, for every weight kind it runs (fp32 panels, int4, int8, int4 with
+int8 activations) and every
 pool it writes (fp32, fp8, int8); it really runs (its counter moves), and every step it does not take runs the
 per-op path instead."""
 
@@ -29,21 +30,22 @@ def kernels_built():
     assert native.load() is not None, native.failure()
 
 
-def served(path, weight_dtype="fp32"):
+def served(path, weight_dtype="fp32", activations="fp32"):
     model, _ = load_model(path, weight_dtype=weight_dtype)
-    model.pack_for_cpu()
+    model.pack_for_cpu("native", activations)
     assert model.use_cpu_attention_kernel()
     return model
 
 
 @pytest.fixture(scope="module")
 def bundled():
-    """The bundled SmolLM2 served with each weight dtype, loaded once."""
+    """The bundled SmolLM2 served with each weight dtype ("int4+a8": int4 with int8 activations), loaded once."""
     models = {}
 
     def get(weight_dtype):
         if weight_dtype not in models:
-            models[weight_dtype] = served(resolve_model("bundled", weight_dtype), weight_dtype)
+            kind, _, a8 = weight_dtype.partition("+")
+            models[weight_dtype] = served(resolve_model("bundled", kind), kind, "int8" if a8 else "fp32")
         return models[weight_dtype]
     return get
 
@@ -110,7 +112,7 @@ def assert_same(fused, per_op):
 # rewritten as tokens join it, a new block starts empty)
 @needs_bundled
 @pytest.mark.parametrize("kv_dtype", POOLS)
-@pytest.mark.parametrize("weight_dtype", ["int4", "int8", "fp32"])
+@pytest.mark.parametrize("weight_dtype", ["int4", "int8", "fp32", "int4+a8"])
 @pytest.mark.parametrize("prompt_lens", [[13], [14, 5, 30]], ids=["1seq", "3seq"])
 def test_fused_steps_equal_the_per_op_path(bundled, weight_dtype, kv_dtype, prompt_lens):
     model = bundled(weight_dtype)
