@@ -47,6 +47,8 @@ constexpr int BLOCK_ROWS = 384;
 constexpr int MIN_BLOCK_ROWS = DIRECT_ROWS;
 constexpr int CHUNK = 512;
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead the direct path asks for its codes
+constexpr int64_t SCALES_AHEAD = 2;       // and for its groups' scales and minimums
+constexpr int TASKS_PER_THREAD = 2;       // the direct path's tasks per thread
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
@@ -250,6 +252,12 @@ void direct_tile(const float* x, int64_t ldx, const uint8_t* codes, const S* sca
     Group<F, S, MIN> grp;
     for (int64_t g0 = 0, g = 0; g0 < k; g0 += group, ++g) {
         grp.load_group(scales, mins, g);
+        if constexpr (F::SCALED) {  // a group's scales are a line or two of a stream too short to be prefetched
+            for (int64_t b = 0; b < PANEL * (int64_t)sizeof(S); b += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(scales + (g + SCALES_AHEAD) * PANEL) + b);
+                if constexpr (MIN) __builtin_prefetch(reinterpret_cast<const char*>(mins + (g + SCALES_AHEAD) * PANEL) + b);
+            }
+        }
         const int64_t g1 = std::min(k, g0 + group);
         for (int64_t kk = g0; kk < g1; ++kk) {
             v16 w[4];
@@ -367,8 +375,15 @@ void linear(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* pa
         }
     };
     if (direct) {  // a few rows (decode): microseconds of work a call, shared without OpenMP's barrier
-        auto body = [&](int64_t t) { task(t / row_blocks, t % row_blocks); };
-        share_tasks(num_panels * row_blocks, num_threads, body);
+        // A task takes a span of consecutive panels, one stretch of memory: the weights stream from memory
+        // faster in a few long runs than in one panel's 20-50 KiB per task (BENCHMARKS.md "Decode").
+        const int64_t span = std::max<int64_t>(1, num_panels / (TASKS_PER_THREAD * num_threads));
+        const int64_t spans = (num_panels + span - 1) / span;
+        auto body = [&](int64_t t) {
+            const int64_t first = t / row_blocks * span, r = t % row_blocks;
+            for (int64_t p = first; p < std::min(num_panels, first + span); ++p) task(p, r);
+        };
+        share_tasks(spans * row_blocks, num_threads, body);
         return;
     }
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
