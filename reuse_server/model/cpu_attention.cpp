@@ -454,6 +454,11 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
         return keys;
     };
     int next_keys = fill(key_begin, knext, vnext, kscale_next, vscale_next);
+    // The first chunk's rows too (each later chunk's are asked for while the one before computes): a decode
+    // unit of a short context is one or two chunks, and waiting on their rows one by one was most of its time
+    // (8 streams 100 tokens in, 30 layers: 2.47 -> 1.90 ms).
+    prefetch_rows(knext, 0, next_keys, next_keys, hd);
+    prefetch_rows(vnext, 0, next_keys, next_keys, hd);
     for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
         std::swap(krow, knext);
         std::swap(vrow, vnext);
