@@ -81,7 +81,13 @@ void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d,
             const v16 v = load(x + i);
             vmax_abs = vmax(vmax_abs, vmax(v, -v));
         }
+#if defined(__AVX512F__)
+        __m512 lanes;
+        std::memcpy(&lanes, &vmax_abs, 64);
+        amax = _mm512_reduce_max_ps(lanes);
+#else
         for (int l = 0; l < LANES; ++l) amax = std::max(amax, vmax_abs[l]);
+#endif
         for (; i < g1; ++i) amax = std::max(amax, std::fabs(x[i]));
         const float scale = amax / 127.0f;
         const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
@@ -92,7 +98,13 @@ void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d,
             const v16 r = vmin(vmax(round_even(load(x + i) * inverse), splat(-127.0f)), splat(127.0f));
             const vi16 c = __builtin_convertvector(r, vi16);
             total += c;
+#if defined(__AVX512F__)
+            __m512i codes;
+            std::memcpy(&codes, &c, 64);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(codes));
+#else
             for (int l = 0; l < LANES; ++l) q[i + l] = (int8_t)c[l];
+#endif
         }
         int32_t s = 0;
         for (int l = 0; l < LANES; ++l) s += total[l];
