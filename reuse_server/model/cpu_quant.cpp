@@ -26,6 +26,7 @@
 #include <omp.h>
 
 #include "cpu_kernels.h"
+#include "cpu_scales.h"
 #include "cpu_tasks.h"
 #include "cpu_vector.h"
 
@@ -54,7 +55,6 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef _Float16 h16 __attribute__((vector_size(32)));
 
 // INT8_A8 and INT4_A8: the same codes with int8 activations, in cpu_quant_a8.cpp's layout.
 enum Format : int64_t { BF16 = 0, INT8 = 1, INT4 = 2, INT8_A8 = 3, INT4_A8 = 4 };
@@ -176,34 +176,9 @@ struct Bf16 {
     }
 };
 
-inline void load_row(const float* p, v16 out[4]) {
-    for (int h = 0; h < 4; ++h) out[h] = load(p + 16 * h);
-}
-
-// fp16 -> fp32 with the CPU's conversion instruction (gcc's vector conversion of _Float16 goes one lane at a
-// time where the CPU lacks AVX512-FP16 arithmetic).
-inline v16 widen_half(const _Float16* p) {
-#if defined(__AVX512F__)
-    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    v16 out;
-    std::memcpy(&out, &v, sizeof out);
-    return out;
-#elif defined(__F16C__)
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-    v16 out;
-    std::memcpy(&out, &lo, 32);
-    std::memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
-    return out;
-#else
-    h16 a;
-    std::memcpy(&a, p, 32);
-    return __builtin_convertvector(a, v16);
-#endif
-}
-
-inline void load_row(const _Float16* p, v16 out[4]) {
-    for (int h = 0; h < 4; ++h) out[h] = widen_half(p + 16 * h);
+template <class S>
+inline void load_row(const S* p, v16 out[4]) {
+    for (int h = 0; h < 4; ++h) out[h] = load_scales(p + 16 * h);
 }
 
 // The group's scales (and minimums) of the panel, widened to fp32.
@@ -392,21 +367,15 @@ void linear(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* pa
     }
 }
 
-template <class F, class S>
-void linear_scaled(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* panels, const void* scales,
-                   const void* mins, int64_t group, const float* bias, int64_t n, float* y, int threads) {
-    const S* sc = static_cast<const S*>(scales);
-    const S* mn = static_cast<const S*>(mins);
-    if (mins) linear<F, S, true>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
-    else linear<F, S, false>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
-}
-
 template <class F>
 void linear_format(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* panels, const void* scales,
                    const void* mins, int64_t half_scales, int64_t group, const float* bias, int64_t n, float* y,
                    int threads) {
-    if (half_scales) linear_scaled<F, _Float16>(x, m, ldx, k, panels, scales, mins, group, bias, n, y, threads);
-    else linear_scaled<F, float>(x, m, ldx, k, panels, scales, mins, group, bias, n, y, threads);
+    with_scales(half_scales, mins, [&](auto type, auto has_mins) {
+        using S = decltype(type);
+        linear<F, S, decltype(has_mins)::value>(x, m, ldx, k, panels, static_cast<const S*>(scales),
+                                                static_cast<const S*>(mins), group, bias, n, y, threads);
+    });
 }
 
 }  // namespace

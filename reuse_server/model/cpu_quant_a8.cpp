@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include "cpu_kernels.h"
+#include "cpu_scales.h"
 #include "cpu_tasks.h"
 #include "cpu_vector.h"
 
@@ -117,21 +118,6 @@ void quantize_row(const float* x, int64_t k, int64_t group, int8_t* q, float* d,
     }
 }
 
-inline v16 load_scale(const float* p) { return load(p); }
-inline v16 load_scale(const _Float16* p) {
-#if defined(__AVX512F__)
-    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    v16 out;
-    std::memcpy(&out, &v, sizeof out);
-    return out;
-#else
-    typedef _Float16 h16 __attribute__((vector_size(32)));
-    h16 a;
-    std::memcpy(&a, p, 32);
-    return __builtin_convertvector(a, v16);
-#endif
-}
-
 // a * b + c rounded once, lane by lane. Spelled out rather than left to gcc's contraction of a * b + c, which
 // may fuse either product of an expression: every path below shares these roundings.
 inline v16 fma16(v16 a, v16 b, v16 c) {
@@ -159,8 +145,8 @@ inline void combine(v16 acc[4], const vi16 dot[4], float d, int32_t sum, const S
     for (int h = 0; h < 4; ++h) {
         vi16 exact = dot[h];
         if constexpr (INT8) exact -= 128 * sum;  // the stored codes' offset, taken back out
-        v16 t = __builtin_convertvector(exact, v16) * load_scale(s + 16 * h);
-        if constexpr (MIN) t = fma16(load_scale(m + 16 * h), sum_f, t);
+        v16 t = __builtin_convertvector(exact, v16) * load_scales(s + 16 * h);
+        if constexpr (MIN) t = fma16(load_scales(m + 16 * h), sum_f, t);
         acc[h] = fma16(dv, t, acc[h]);
     }
 }
@@ -313,23 +299,6 @@ void linear(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* pa
     share_tasks(spans * row_blocks, threads, task);
 }
 
-template <bool INT8, class S>
-void linear_scaled(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* panels, const void* scales,
-                   const void* mins, int64_t group, const float* bias, int64_t n, float* y, int threads) {
-    const S* sc = static_cast<const S*>(scales);
-    const S* mn = static_cast<const S*>(mins);
-    if (mins) linear<INT8, true, S>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
-    else linear<INT8, false, S>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
-}
-
-template <bool INT8>
-void linear_format(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* panels, const void* scales,
-                   const void* mins, int64_t half_scales, int64_t group, const float* bias, int64_t n, float* y,
-                   int threads) {
-    if (half_scales) linear_scaled<INT8, _Float16>(x, m, ldx, k, panels, scales, mins, group, bias, n, y, threads);
-    else linear_scaled<INT8, float>(x, m, ldx, k, panels, scales, mins, group, bias, n, y, threads);
-}
-
 }  // namespace
 
 // As kv_quant_linear_f32 (which hands formats INT8_A8 and INT4_A8 here), with the layout above. Returns 0, or
@@ -340,7 +309,13 @@ int kv_quant_linear_a8(const float* x, int64_t m, int64_t ldx, int64_t k, int64_
     if (m < 0 || k <= 0 || n <= 0 || group <= 0 || k % 4 || group % 4 || scales == nullptr) return -1;
     if (m == 0) return 0;
     const int threads = (int)std::max<int64_t>(1, num_threads);
-    if (int8) linear_format<true>(x, m, ldx, k, panels, scales, mins, half_scales, group, bias, n, y, threads);
-    else linear_format<false>(x, m, ldx, k, panels, scales, mins, half_scales, group, bias, n, y, threads);
+    with_scales(half_scales, mins, [&](auto type, auto has_mins) {
+        using S = decltype(type);
+        constexpr bool MIN = decltype(has_mins)::value;
+        const S* sc = static_cast<const S*>(scales);
+        const S* mn = static_cast<const S*>(mins);
+        if (int8) linear<true, MIN, S>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
+        else linear<false, MIN, S>(x, m, ldx, k, panels, sc, mn, group, bias, n, y, threads);
+    });
     return 0;
 }

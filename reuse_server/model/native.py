@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_quant.cpp", "cpu_quant_a8.cpp",
                         "cpu_kv_store.cpp", "cpu_decode.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_tasks.h", "cpu_vector.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_scales.h", "cpu_tasks.h", "cpu_vector.h")]
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC"]
 PREFIX = "cpu_kernels-"
 

@@ -7,15 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reuse_server.model import load_model, native
+from reuse_server.model import load_model
 from reuse_server.model.cpu_linear import NativeLinear, PackedLinear, onednn_linear_available
 
-pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels_built():
-    assert native.load() is not None, native.failure()
+pytestmark = [pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN"),
+              pytest.mark.usefixtures("kernels_built")]
 
 
 @pytest.mark.parametrize("cls", [NativeLinear, PackedLinear])

@@ -14,7 +14,7 @@ from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.runner import StepRows
 from reuse_server.engine.sampling_params import SamplingParams
 from reuse_server.kv.pool import KVPool
-from reuse_server.model import AttentionMetadata, load_model, native, resolve_model
+from reuse_server.model import AttentionMetadata, load_model, resolve_model
 from reuse_server.model.fused_decode import ENV, MAX_ROWS
 from reuse_server.model.llama import OutputRows
 from tiny_checkpoint import write_tiny_checkpoint
@@ -25,9 +25,7 @@ BS = 16
 POOLS = ["fp32", "fp8_e4m3", "int8"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels_built():
-    assert native.load() is not None, native.failure()
+pytestmark = pytest.mark.usefixtures("kernels_built")
 
 
 def served(path, weight_dtype="fp32", activations="fp32"):

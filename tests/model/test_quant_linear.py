@@ -6,16 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reuse_server.model import native
 from reuse_server.model.quant_linear import NativeQuantLinear, QuantizedEmbedding, QuantizedLinear, TorchInt4Linear
 from reuse_server.model.quant_weights import QuantizedWeight, from_tensors, quantize, stack, to_tensors
 
 KINDS = ("int4", "int8", "bf16")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels_built():
-    assert native.load() is not None, native.failure()
+pytestmark = pytest.mark.usefixtures("kernels_built")
 
 
 def weights(n, k, seed, kind):
