@@ -10,7 +10,8 @@ decoding `--tokens` tokens after a short prompt (or `--context` tokens of one):
   one native call, its plan included), embed; python_dispatch is the uninstrumented forward minus those;
   scheduler (schedule + update, less the detokenizer), sampler, detokenizer.
 A row with the fused decode (fused: true; fused_steps counts the steps it ran), then one with the per-op path
-(fused: false), both from one engine whose timed repeats alternate; --no-fused: only the per-op row.
+(fused: false), both from one engine whose timed repeats alternate; --no-fused: only the per-op row. Those rows
+for each --activation-dtype setting in turn (by default fp32, the exact products, then int8).
 Over HTTP, per row a server (`reuse-server serve`, same weights and threads, KV_REUSE_FUSED_DECODE as the row
 says) streams `--tokens` tokens to one client: http_ms is the time between its first and last streamed token
 per token (best of --repeats), and http_overhead_ms = http_ms - step_ms is what the async engine, the API and
@@ -22,6 +23,7 @@ With --products, only the model's quantized products of one decode step, replaye
 through this tree's kernels and any other builds given (--library), alternating in one process.
 
     .venv/bin/python -m benchmarks.bench_decode [--tokens 128] [--threads 2] [--no-http] [--no-fused]
+        [--activation-dtype fp32,int8]
     .venv/bin/python -m benchmarks.bench_decode --no-http --no-llama --context 4096
     .venv/bin/python -m benchmarks.bench_decode --products [--library OTHER_BUILD.so ...]
 
@@ -294,8 +296,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weight-dtype", default="int4")
-    ap.add_argument("--activation-dtype", default="fp32", choices=["fp32", "int8"],
-                    help="the server's --activation-dtype (int8: integer products, logits not fp32 activations')")
+    ap.add_argument("--activation-dtype", default="fp32,int8",
+                    help="comma-separated --activation-dtype settings to run, each its own rows (int8: integer "
+                         "products, logits not fp32 activations')")
     ap.add_argument("--context", type=int, default=0,
                     help="in process: decode after a prompt of this many tokens (default: one short sentence)")
     ap.add_argument("--no-http", action="store_true")
@@ -319,16 +322,21 @@ def main() -> None:
         return
     modes = [False] if args.no_fused else [True, False]
     read_gb_s = round(read_bandwidth_gb_s(), 1)
-    rows = engine_breakdown(args, modes)
-    for fused in modes:
-        row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
-                   tokens=args.tokens, fused=fused,
-                   context=args.context or None,
-                   read_gb_s=read_gb_s, **rows[fused])
-        if not args.no_http:
-            row.update(http_figures(args, fused))
-            row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
-        emit(**row)
+    settings = args.activation_dtype.split(",")
+    for activation_dtype in settings:
+        if activation_dtype not in ("fp32", "int8"):
+            raise SystemExit(f"unknown activation dtype {activation_dtype!r}: fp32 or int8")
+    for activation_dtype in settings:
+        run = argparse.Namespace(**{**vars(args), "activation_dtype": activation_dtype})
+        rows = engine_breakdown(run, modes)
+        for fused in modes:
+            row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, activation_dtype=activation_dtype,
+                       tokens=args.tokens, fused=fused, context=args.context or None, read_gb_s=read_gb_s,
+                       **rows[fused])
+            if not args.no_http:
+                row.update(http_figures(run, fused))
+                row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
+            emit(**row)
     if not args.no_http and not args.no_llama:
         emit(**(llama_server_figures(args) or dict(bench="decode_llama_server", skipped="not on PATH")))
 

@@ -15,7 +15,7 @@ Quality against fp32, in this process through the engine (not for llama-server):
 and answer accuracy over bench_blend's needle cases (full prefill), and greedy agreement: the share of
 generated tokens equal to fp32's at the same position over --greedy-prompts prompts x --greedy-tokens.
 
-    .venv/bin/python -m benchmarks.bench_weights [--dtypes fp32,bf16,int8,int4] [--cases 30] [--no-llama]
+    .venv/bin/python -m benchmarks.bench_weights [--dtypes fp32,bf16,int8,int4,int4+a8] [--cases 30] [--no-llama]
 
 The CPU of this project's machine is shared: compare figures within one run (ratios), not across runs.
 """
@@ -198,7 +198,7 @@ def quality_against(reference: dict, run: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", default="fp32,bf16,int8,int4")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8,int4,int4+a8")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", default="512,2048")
     ap.add_argument("--ttft-tokens", type=int, default=4096)

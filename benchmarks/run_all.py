@@ -40,6 +40,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_blend": ["--cases", "5", "--ratios", "0,0.15"],
     "bench_structured": ["--repeats", "2", "--http-repeats", "1", "--concurrency", "2"],
     "bench_agents": ["--tasks", "2", "--steps", "3"],
+    "bench_decode": ["--tokens", "32", "--repeats", "1"],
     "bench_weights": ["--cases", "4", "--greedy-prompts", "2", "--greedy-tokens", "16", "--decode-tokens", "32",
                       "--prefill-tokens", "512", "--ttft-tokens", "2048"],
     "bench_kv_dtype": ["--kl-prompts", "4", "--greedy-prompts", "2", "--greedy-tokens", "64", "--needle-cases", "5",
