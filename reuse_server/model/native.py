@@ -63,6 +63,12 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it does not)."""
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()

@@ -374,6 +374,9 @@ def _int8_activations_maker(device: torch.device, dtype: torch.dtype, matmul: st
     if device.type != "cpu" or dtype != torch.float32 or matmul != "native" or native.load() is None:
         why = native.failure() if native.load() is None else f"{device.type}, {dtype}, --cpu-matmul {matmul}"
         raise ValueError(f"int8 activations run only in the native CPU kernel in float32 ({why})")
+    if "avx512_vnni" not in native.cpu_flags():
+        log.warning("int8 activations without AVX-512 VNNI on this CPU: the integer products run in plain C++, "
+                    "likely slower than --activation-dtype fp32")
 
     def make(weights, biases):
         merged = stack(weights)

@@ -204,3 +204,19 @@ def model_logits(engine, prompt):
     meta = AttentionMetadata([0, len(prompt)], [table], [len(prompt)], torch.arange(len(prompt)))
     out = model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), meta, pool))
     return out[-1].float()
+
+
+def test_a_cpu_without_vnni_is_warned_that_the_integer_products_run_slowly(tiny, monkeypatch, caplog):
+    """The integer products are fast only with AVX-512 VNNI; elsewhere they run in plain C++ (the same bits)."""
+    from reuse_server.model import native
+
+    config = EngineConfig(model=str(tiny), weight_dtype="int4", activation_dtype="int8", kv_cache_memory=1 << 22)
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
+    with caplog.at_level("WARNING", logger="reuse_server.model.quant_linear"):
+        build_engine(config)
+    assert "without AVX-512 VNNI" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    with caplog.at_level("WARNING", logger="reuse_server.model.quant_linear"):
+        build_engine(config)
+    assert "without AVX-512 VNNI" not in caplog.text
