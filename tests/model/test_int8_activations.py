@@ -4,6 +4,7 @@ computes that arithmetic (against a numpy reference of it), stays within the act
 product, gives a row the same bits whatever shares its call, and is what the engine serves when asked."""
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,33 @@ def test_a_cpu_without_vnni_is_warned_that_the_integer_products_run_slowly(tiny,
     with caplog.at_level("WARNING", logger="reuse_server.model.quant_linear"):
         build_engine(config)
     assert "without AVX-512 VNNI" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_plain_cpp_products_give_the_vnni_products_bits(kind, tmp_path):
+    """Where the CPU lacks AVX-512 VNNI the kernel computes the same integer sums in plain C++: built for AVX2
+    alone, it gives this host's build's output bit for bit."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from reuse_server.model import native
+
+    source = Path(native.__file__).with_name("cpu_quant_a8.cpp")
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    built = tmp_path / "a8_avx2.so"
+    subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-std=c++17", "-shared", "-fPIC", str(source), "-o",
+                    str(built)], check=True, capture_output=True)
+    plain = ctypes.CDLL(str(built)).kv_quant_linear_a8
+    plain.argtypes = native.SIGNATURES["kv_quant_linear_f32"][0]
+    plain.restype = ctypes.c_int
+    layer = NativeQuantLinear(weights(130, 100, 21, kind), torch.randn(130), "int8")
+    x = torch.randn(37, 100, generator=torch.Generator().manual_seed(22))
+    fmt, codes, scales, mins, half, group, bias, n = layer.kernel_weights
+    for rows in (1, 37):
+        y = torch.empty(rows, n)
+        status = plain(x.data_ptr(), rows, x.stride(0), 100, int(kind == "int8"), codes, scales, mins, half, group,
+                       bias, n, y.data_ptr(), 2)
+        assert status == 0
+        assert torch.equal(y, layer(x[:rows]))
