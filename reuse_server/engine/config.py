@@ -10,6 +10,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 CPU_MATMULS = ("native", "onednn", "torch")
 CPU_ATTENTIONS = ("native", "torch")
+ACTIVATION_DTYPES = ("fp32", "int8")  # --activation-dtype (model/quant_linear.py)
 
 
 def resolve_dtype(name: str, device: str):
@@ -94,8 +95,8 @@ class EngineConfig:
             kv_layout.kv_dtype(self.kv_dtype)
         except ValueError as exc:
             problems.append(str(exc))
-        if self.activation_dtype not in ("fp32", "int8"):
-            problems.append(f"unknown activation_dtype {self.activation_dtype!r}; choose fp32 or int8")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            problems.append(f"unknown activation_dtype {self.activation_dtype!r}; choose {', '.join(ACTIVATION_DTYPES)}")
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
         if self.cpu_attention not in CPU_ATTENTIONS:

@@ -4,8 +4,9 @@ that seeds every block hash (radix.hashing).
 Two servers whose fingerprints agree compute the same KV for the same tokens, so they may share blocks (a
 disk tier after a restart, a Redis tier between servers); anything that changes the KV changes the
 fingerprint: the architecture, the weights as loaded (their bytes, so a re-quantized or fine-tuned file
-differs), the compute dtype (and int8 activations), the tokenizer and chat template, the block size, the KV storage dtype and the
-hash algorithm. The served model name is not part of it: renaming a model keeps its cache."""
+differs), the compute dtype (and int8 activations), the tokenizer and chat template, the block size, the KV
+storage dtype and the hash algorithm. The served model name is not part of it: renaming a model keeps its
+cache."""
 from __future__ import annotations
 
 import dataclasses

@@ -11,7 +11,7 @@ from reuse_server.server.openmp import apply_short_spin  # torch-free
 
 apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.py
 
-from reuse_server.engine.config import EngineConfig  # noqa: E402
+from reuse_server.engine.config import ACTIVATION_DTYPES, EngineConfig  # noqa: E402
 from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT  # noqa: E402  (torch-free)
 
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "GGUF's Q4/Q8 blocks load as they are, other checkpoints are quantized at load. auto: "
                             "the narrowest whose measured quality against fp32 is within bounds, else the "
                             "narrowest that holds the checkpoint's weights exactly (logged at start)")
-    serve.add_argument("--activation-dtype", default=defaults.activation_dtype, choices=["fp32", "int8"],
+    serve.add_argument("--activation-dtype", default=defaults.activation_dtype, choices=ACTIVATION_DTYPES,
                        help="int8: products on int8/int4 weights quantize their inputs to int8 per group of 32 and "
                             "run as integer dot products, as llama.cpp does: faster decode on CPUs with AVX-512 "
                             "VNNI, logits no longer fp32 activations' (BENCHMARKS.md \"Decode\" has both). "
