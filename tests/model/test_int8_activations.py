@@ -223,31 +223,36 @@ def test_a_cpu_without_vnni_is_warned_that_the_integer_products_run_slowly(tiny,
     assert "without AVX-512 VNNI" not in caplog.text
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_plain_cpp_products_give_the_vnni_products_bits(kind, tmp_path):
-    """Where the CPU lacks AVX-512 VNNI the kernel computes the same integer sums in plain C++: built for AVX2
-    alone, it gives this host's build's output bit for bit."""
+@pytest.fixture(scope="module")
+def plain_build(tmp_path_factory):
+    """kv_quant_linear_a8 built for AVX2 alone: its plain C++ integer sums, as a CPU without VNNI runs them."""
     import ctypes
     import shutil
     import subprocess
 
     from reuse_server.model import native
 
-    source = Path(native.__file__).with_name("cpu_quant_a8.cpp")
     if shutil.which("g++") is None or not {"avx2", "bmi2", "fma", "f16c", "movbe"} <= native.cpu_flags():
         pytest.skip("no g++, or a CPU that cannot run an AVX2 build")
-    built = tmp_path / "a8_avx2.so"
+    built = tmp_path_factory.mktemp("a8-avx2") / "a8_avx2.so"
+    source = Path(native.__file__).with_name("cpu_quant_a8.cpp")
     subprocess.run(["g++", "-O2", "-march=x86-64-v3", "-std=c++17", "-shared", "-fPIC", str(source), "-o",
                     str(built)], check=True, capture_output=True)
-    plain = ctypes.CDLL(str(built)).kv_quant_linear_a8
-    plain.argtypes = native.SIGNATURES["kv_quant_linear_f32"][0]
-    plain.restype = ctypes.c_int
+    fn = ctypes.CDLL(str(built)).kv_quant_linear_a8
+    fn.argtypes, fn.restype = native.SIGNATURES["kv_quant_linear_f32"][0], ctypes.c_int
+    return fn
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_plain_cpp_products_give_the_vnni_products_bits(kind, plain_build):
+    """Where the CPU lacks AVX-512 VNNI the kernel computes the same integer sums in plain C++: built for AVX2
+    alone, it gives this host's build's output bit for bit."""
     layer = NativeQuantLinear(weights(130, 100, 21, kind), torch.randn(130), "int8")
     x = torch.randn(37, 100, generator=torch.Generator().manual_seed(22))
     fmt, codes, scales, mins, half, group, bias, n = layer.kernel_weights
     for rows in (1, 37):
         y = torch.empty(rows, n)
-        status = plain(x.data_ptr(), rows, x.stride(0), 100, int(kind == "int8"), codes, scales, mins, half, group,
-                       bias, n, y.data_ptr(), 2)
+        status = plain_build(x.data_ptr(), rows, x.stride(0), 100, int(kind == "int8"), codes, scales, mins, half,
+                             group, bias, n, y.data_ptr(), 2)
         assert status == 0
         assert torch.equal(y, layer(x[:rows]))
