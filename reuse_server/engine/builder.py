@@ -73,7 +73,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     config.validate()
     dtype = resolve_dtype(config.dtype, config.device)
     weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model), config.device, dtype)
-    log.info("weights in %s (%s)", weight_dtype, why)
+    log.info("weights in %s (%s)%s", weight_dtype, why, "; their products on int8 activations (--activation-dtype "
+             "int8: logits not fp32 activations')" if config.activation_dtype == "int8" else "")
     path = resolve_model(config.model, weight_dtype)
     model, mc = load_model(path, dtype=dtype, device=config.device, weight_dtype=weight_dtype)
     tokenizer = load_tokenizer(path)
