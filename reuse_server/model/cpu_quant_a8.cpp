@@ -264,10 +264,10 @@ void linear(const float* x, int64_t m, int64_t ldx, int64_t k, const uint8_t* pa
         buf.d.resize(m * groups);
         buf.sum.resize(m * groups);
     }
-    const Quantized a{buf.q.data(), buf.d.data(), buf.sum.data(), k, groups};
     int8_t* q = buf.q.data();
     float* d = buf.d.data();
     int32_t* sum = buf.sum.data();
+    const Quantized a{q, d, sum, k, groups};
     auto quantize = [&](int64_t r) { quantize_row(x + r * ldx, k, group, q + r * k, d + r * groups, sum + r * groups); };
     share_tasks(m, m >= 8 ? threads : 1, quantize);
 
