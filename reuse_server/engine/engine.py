@@ -204,7 +204,7 @@ class LLMEngine:
         seqs = [ends[row] for row in rows]
         tokens, logprobs = [], {}
         if seqs:
-            picked = logits[rows]
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]  # a decode step keeps them all
             tokens = self.sampler.sample(picked, [s.sampling for s in seqs], [s.params for s in seqs],
                                          [(s.prompt_ids, s.output_ids) for s in seqs])
             for i, (seq, token) in enumerate(zip(seqs, tokens)):

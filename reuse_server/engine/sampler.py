@@ -13,6 +13,7 @@ import torch
 
 from reuse_server.engine.sampling_params import SamplingParams
 from reuse_server.engine.structured_output import GrammarMatchers
+from reuse_server.model import cpu_ops
 
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class SamplerState:
 class Sampler:
     def __init__(self) -> None:
         self._grammars = GrammarMatchers()
+        self._ops = cpu_ops.load()  # the native argmax, where the kernels are built
 
     @staticmethod
     def _generator(state: SamplerState, params: SamplingParams) -> torch.Generator | None:
@@ -53,7 +55,8 @@ class Sampler:
         if constrained:
             self._grammars.mask_(logits, states, [p.grammar for p in params])
         out: list[int] = []
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = self._ops.argmax(logits) if self._ops is not None and self._ops.takes(logits) else \
+            logits.argmax(dim=-1).tolist()
         for row, (state, p) in enumerate(zip(states, params)):
             if p.greedy:
                 out.append(greedy[row])

@@ -16,6 +16,7 @@ namespace {
 
 // The structures below mirror the ctypes ones in fused_decode.py, field for field.
 
+constexpr int NO_TABLE = -2, BAD_SLOT = -3;  // kv_decode_layers' refusals (fused_decode.py's)
 constexpr int64_t FP32_PANELS = -1;  // Linear::format of fp32 panels (kv_linear_f32); else kv_quant_linear_f32's
 enum PoolFormat : int64_t { POOL_FP32 = 0, POOL_FP8 = 3, POOL_INT8 = 4 };  // cpu_attention.py's FORMATS
 
@@ -42,6 +43,14 @@ struct Decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     const Layer* layers;
+    const float* final_norm;
+    // RoPE's cos and sin of positions 0 .. table_positions - 1, [position][head_dim] (RotaryEmbedding.table):
+    // the rows of the step's positions are copied out of them, the values torch computes for those positions.
+    const float* cos_table;
+    const float* sin_table;
+    int64_t table_positions;
+    float* cos;      // [rows][head_dim]
+    float* sin;
     float* normed;   // [rows][hidden]
     float* qkv;      // [rows][(heads + 2 kv_heads) head_dim]
     float* qk;       // [rows][(heads + kv_heads) head_dim], rotated
@@ -57,15 +66,13 @@ struct Decoder {
 struct Pool {
     uint8_t* data;
     float* scales;
-    int64_t format, layer_bytes, plane_bytes, scale_layer, scale_plane, block_size;
+    int64_t format, layer_bytes, plane_bytes, scale_layer, scale_plane, block_size, num_slots;
 };
 
 // What changes every step: one query token per sequence, the attention kernel's plan (cpu_attention.KernelPlan).
 struct Step {
     int64_t rows;
     const int64_t* slots;
-    const float* cos;  // [rows][head_dim]
-    const float* sin;
     int64_t num_seqs;
     const int64_t* seq_info;
     const int64_t* block_tables;
@@ -144,7 +151,7 @@ int attention_block(const Decoder& d, const Pool& pool, int64_t layer, const Ste
     kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, w.input_norm, d.eps, d.normed, threads);
     if (linear(w.qkv, d.normed, rows, d.qkv, threads)) return -1;
     const int64_t qkv_stride = (d.heads + 2 * d.kv_heads) * d.head_dim;
-    if (kv_rope_f32(d.qkv, rows, d.heads + d.kv_heads, d.head_dim, qkv_stride, step.cos, step.sin, d.qk)) return -1;
+    if (kv_rope_f32(d.qkv, rows, d.heads + d.kv_heads, d.head_dim, qkv_stride, d.cos, d.sin, d.qk)) return -1;
     if (store_kv(d, pool, layer, step, threads)) return -1;  // before attending: each token sees its own K/V
     if (attend(d, pool, layer, step, threads)) return -1;
     if (linear(w.o, d.attn, rows, d.proj, threads)) return -1;
@@ -164,14 +171,27 @@ int mlp_block(const Decoder& d, int64_t layer, int64_t rows, float* hidden, int6
 
 }  // namespace
 
-// hidden: [rows][hidden] fp32, the embedded tokens, replaced by the last layer's output (before the final norm).
-// Returns 0, or 1 + the layer whose kernel did not take its arguments (the layers before it ran).
+// hidden: [rows][hidden] fp32, the embedded tokens, replaced by the last layer's output after the final norm.
+// Returns 0; NO_TABLE, having done nothing, for a position beyond the cos/sin table; BAD_SLOT, having done
+// nothing, for a slot outside the pool; or 1 + the layer whose kernel did not take its arguments (the layers
+// before it ran).
 extern "C" int kv_decode_layers(float* hidden, const Decoder* decoder, const Pool* pool, const Step* step,
                                 int64_t num_threads) {
-    for (int64_t layer = 0; layer < decoder->num_layers; ++layer) {
-        if (attention_block(*decoder, *pool, layer, *step, hidden, num_threads) ||
-            mlp_block(*decoder, layer, step->rows, hidden, num_threads))
+    const Decoder& d = *decoder;
+    const int64_t rows = step->rows;
+    for (int64_t t = 0; t < rows; ++t) {
+        const int64_t p = step->positions[t], slot = step->slots[t];
+        if (p < 0 || p >= d.table_positions) return NO_TABLE;
+        if (slot < 0 || slot >= pool->num_slots) return BAD_SLOT;
+        std::memcpy(d.cos + t * d.head_dim, d.cos_table + p * d.head_dim, d.head_dim * sizeof(float));
+        std::memcpy(d.sin + t * d.head_dim, d.sin_table + p * d.head_dim, d.head_dim * sizeof(float));
+    }
+    for (int64_t layer = 0; layer < d.num_layers; ++layer) {
+        if (attention_block(d, *pool, layer, *step, hidden, num_threads) ||
+            mlp_block(d, layer, rows, hidden, num_threads))
             return (int)(1 + layer);
     }
+    // In place: each row's sum of squares is taken before any of its values is written.
+    kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, d.final_norm, d.eps, hidden, num_threads);
     return 0;
 }

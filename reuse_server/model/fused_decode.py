@@ -27,6 +27,10 @@ ENV = "KV_REUSE_FUSED_DECODE"
 # The most decode rows a fused step takes: the scratch buffers are sized for it, and a bigger batch spends
 # little of its step in Python.
 MAX_ROWS = 64
+# RoPE's cos and sin are read out of a table of positions 0 .. TABLE_POSITIONS - 1 built once (4 MiB for
+# SmolLM2's 8,192 positions): computing them per step was six torch ops. A step beyond it runs the per-op path.
+TABLE_POSITIONS = 16384
+NO_TABLE, BAD_SLOT = -2, -3  # cpu_decode.cpp's refusals, each before it ran anything
 FP32_PANELS = -1  # cpu_decode.cpp's format of fp32 panels; the quantized ones are kv_quant_linear_f32's
 # The pools whose writes cpu_decode.cpp makes as KVPool.write does (the attention kernel's codes): fp16 and
 # bf16 would need torch's rounding of the stored values.
@@ -46,23 +50,24 @@ class _Layer(ctypes.Structure):
                 ("down", _Linear), ("window", _I)]
 
 
-SCRATCH = ("normed", "qkv", "qk", "kv", "attn", "proj", "gate_up", "act")
+SCRATCH = ("cos", "sin", "normed", "qkv", "qk", "kv", "attn", "proj", "gate_up", "act")
 
 
 class _Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("intermediate", _I), ("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer))] + \
+                ("intermediate", _I), ("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", _P), ("cos_table", _P), ("sin_table", _P), ("table_positions", _I)] + \
                [(name, _P) for name in SCRATCH]
 
 
 class _Pool(ctypes.Structure):
     _fields_ = [("data", _P), ("scales", _P), ("format", _I), ("layer_bytes", _I), ("plane_bytes", _I),
-                ("scale_layer", _I), ("scale_plane", _I), ("block_size", _I)]
+                ("scale_layer", _I), ("scale_plane", _I), ("block_size", _I), ("num_slots", _I)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _I), ("slots", _P), ("cos", _P), ("sin", _P), ("num_seqs", _I), ("seq_info", _P),
-                ("block_tables", _P), ("positions", _P)]
+    _fields_ = [("rows", _I), ("slots", _P), ("num_seqs", _I), ("seq_info", _P), ("block_tables", _P),
+                ("positions", _P)]
 
 
 def enabled_by_env() -> bool:
@@ -77,19 +82,20 @@ class FusedDecode:
         config = model.config
         self._fn = native.load().kv_decode_layers
         self._backend = model.backend  # its attention kernel may be switched off after this is built
-        self._rotary = model.rotary
         self.num_layers, self.heads, self.kv_heads = config.num_layers, config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         # What owns the memory behind the pointers, held so that replacing a module or a parameter later cannot
         # free it.
         self._held = [(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                      for layer in model.layers]
+                      for layer in model.layers] + [model.norm.weight.data]
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
+        self._table = model.rotary.table(min(config.max_position_embeddings, TABLE_POSITIONS))
         self._decoder = _Decoder(config.num_layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
                                  config.intermediate_size, config.rms_norm_eps, config.attention_scale, self._layers,
-                                 *(self._scratch[name].data_ptr() for name in SCRATCH))
+                                 model.norm.weight.data_ptr(), self._table[0].data_ptr(), self._table[1].data_ptr(),
+                                 self._table[0].shape[0], *(self._scratch[name].data_ptr() for name in SCRATCH))
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Pool, or None: not taken
         self._busy = threading.Lock()  # one step at a time uses the scratch; another runs the per-op path
         self.calls = 0
@@ -99,13 +105,14 @@ class FusedDecode:
         """For a model packed for the CPU (pack_for_cpu) whose every layer it can run; None otherwise."""
         config = model.config
         if (native.load() is None or model.backend.ops is None or config.qk_norm or config.sandwich_norms
-                or model.local_rotary is not None or not _rope_runs(model.backend.ops, config.head_dim)):
+                or model.local_rotary is not None or not _rope_runs(model.backend.ops, config.head_dim)
+                or not _fp32_vector(model.norm.weight)):
             return None
         layers = [_layer(layer, config) for layer in model.layers]
         return None if any(layer is None for layer in layers) else cls(model, layers)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta, pool, select=None) -> torch.Tensor | None:
-        """The last layer's output (before the final norm) for the embedded tokens hidden [T, hidden_size],
+        """The last layer's output after the model's final norm for the embedded tokens hidden [T, hidden_size],
         their K/V written into every layer of the pool at meta.slot_mapping; None, having done nothing, for a
         step it does not take."""
         rows = hidden.shape[0]
@@ -124,17 +131,17 @@ class FusedDecode:
     def _step(self, hidden, positions, meta, pool, layout: _Pool) -> torch.Tensor:
         rows = hidden.shape[0]
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        lowest, highest = torch.aminmax(slots)
-        if int(lowest) < 0 or int(highest) >= pool.num_slots:
-            raise ValueError(f"slots must lie in [0, {pool.num_slots})")
         plan = KernelPlan(meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size,
                           pool.num_blocks)
-        cos, sin = self._rotary.cos_sin(positions, torch.float32)
-        step = _Step(rows, slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), plan.num_sequences,
-                     plan.seq_info.data_ptr(), plan.block_tables.data_ptr(), plan.positions.data_ptr())
+        step = _Step(rows, slots.data_ptr(), plan.num_sequences, plan.seq_info.data_ptr(),
+                     plan.block_tables.data_ptr(), plan.positions.data_ptr())
         out = hidden.clone(memory_format=torch.contiguous_format)
         status = self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout), ctypes.byref(step),
                           torch.get_num_threads())
+        if status == NO_TABLE:
+            return None
+        if status == BAD_SLOT:
+            raise ValueError(f"slots must lie in [0, {pool.num_slots})")
         if status != 0:
             raise ValueError(f"the fused decode's kernels did not take layer {status - 1}'s arguments")
         self.calls += 1
@@ -159,14 +166,18 @@ class FusedDecode:
         size = data.element_size()
         return _Pool(data.data_ptr(), None if scales is None else scales.data_ptr(), POOL_FORMATS[pool.dtype],
                      data.stride(0) * size, data.stride(1) * size, 0 if scales is None else scales.stride(0),
-                     0 if scales is None else scales.stride(1), pool.block_size)
+                     0 if scales is None else scales.stride(1), pool.block_size, pool.num_slots)
 
     def _scratch_buffers(self, config) -> dict[str, torch.Tensor]:
         heads, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        widths = dict(normed=config.hidden_size, qkv=heads + 2 * kv_width, qk=heads + kv_width, kv=2 * kv_width,
+        widths = dict(cos=self.head_dim, sin=self.head_dim, normed=config.hidden_size, qkv=heads + 2 * kv_width, qk=heads + kv_width, kv=2 * kv_width,
                       attn=heads, proj=config.hidden_size, gate_up=2 * config.intermediate_size,
                       act=config.intermediate_size)
         return {name: torch.empty(MAX_ROWS, widths[name], dtype=torch.float32) for name in SCRATCH}
+
+
+def _fp32_vector(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def _rope_runs(ops, head_dim: int) -> bool:
@@ -180,7 +191,7 @@ def _layer(layer, config) -> _Layer | None:
     attn, mlp = layer.self_attn, layer.mlp
     hidden, heads, kv_heads = config.hidden_size, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if mlp.gelu or not all(w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() for w in norms):
+    if mlp.gelu or not all(_fp32_vector(w) for w in norms):
         return None
     products = (_product(attn.qkv_proj, hidden, heads + 2 * kv_heads), _product(attn.o_proj, heads, hidden),
                 _product(mlp.gate_up_proj, hidden, 2 * config.intermediate_size),

@@ -353,8 +353,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids)
         decode = self.backend.decode
         fused = decode.run(hidden, positions, meta, pool, select) if decode is not None else None
-        if fused is not None:
-            return self.final_norm(fused)
+        if fused is not None:  # the final norm included
+            return fused
         for i, layer in enumerate(self.layers):
             hidden, positions, meta = layer(hidden, positions, meta, pool, i, select)
         return self.final_norm(hidden)

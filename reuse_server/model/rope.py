@@ -73,6 +73,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [positions, head_dim] of positions 0 .. positions - 1, computed once: row p is
+        cos_sin of p alone, bit for bit (torch's vectorized cos and sin do not depend on where an element sits)."""
+        return self.cos_sin(torch.arange(positions), torch.float32)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_sin(positions, dtype)
 

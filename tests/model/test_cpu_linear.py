@@ -150,3 +150,23 @@ def test_native_rope_is_torch_bit_for_bit(tokens):
     if out is None and "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the native RoPE needs AVX-512 (torch's ops run instead)")
     assert torch.equal(out.view(torch.int32), apply_rotary(qk, cos, sin).contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("cols", [1, 16, 49152, 49157])
+def test_native_argmax_picks_what_torch_picks(cols):
+    """Greedy sampling's argmax through the native op: torch's index on ties (the first), on NaN (the first
+    NaN), on -inf everywhere, on a strided view, with the largest value in the vector part and in the tail."""
+    from reuse_server.model import cpu_ops
+
+    ops = cpu_ops.load()
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols + 3, generator=gen)[:, 1:cols + 1]
+    x[1] = float("-inf")
+    x[2, cols // 2:] = 5.0  # ties: the first wins
+    x[3, cols - 1] = 1e9  # in the tail of a row that is not a whole number of vectors
+    x[4, cols // 3] = float("nan")
+    x[4, cols - 1] = float("nan")
+    x[5] = 0.0
+    x[5, cols // 2] = -0.0  # equal to +0: the first zero wins
+    x[6, 0] = float("inf")
+    assert ops.argmax(x) == x.argmax(-1).tolist()

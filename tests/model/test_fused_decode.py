@@ -15,6 +15,7 @@ from reuse_server.engine.runner import StepRows
 from reuse_server.engine.sampling_params import SamplingParams
 from reuse_server.kv.pool import KVPool
 from reuse_server.model import AttentionMetadata, load_model, resolve_model
+from reuse_server.model import fused_decode
 from reuse_server.model.fused_decode import ENV, MAX_ROWS
 from reuse_server.model.llama import OutputRows
 from tiny_checkpoint import write_tiny_checkpoint
@@ -210,6 +211,28 @@ def test_tiny_families_fuse_bit_for_bit(tiny, arch, kv_dtype):
     fused = run(model, kv_dtype, [6, 11], steps, fused=True)
     assert fused[2] == steps
     assert_same(fused, run(model, kv_dtype, [6, 11], steps, fused=False))
+
+
+def test_positions_beyond_the_cos_sin_table_run_per_op(tiny, monkeypatch):
+    """RoPE's cos and sin come out of a table built once; a step past its end runs the per-op path, the same
+    logits either way."""
+    monkeypatch.setattr(fused_decode, "TABLE_POSITIONS", 14)
+    model = served(tiny("llama"))
+    steps = 6
+    fused = run(model, "fp32", [6, 11], steps, fused=True)  # the second sequence decodes at positions 11 .. 16
+    assert fused[2] == 3  # while the second sequence is at 11, 12 and 13, the table's last row
+    assert_same(fused, run(model, "fp32", [6, 11], steps, fused=False))
+
+
+def test_a_slot_outside_the_pool_is_refused_before_anything_runs(tiny):
+    model = served(tiny("llama"))
+    seqs = Sequences(model, "fp32", [5])
+    seqs.step()
+    before = seqs.pool_contents()[0]
+    meta = AttentionMetadata([0, 1], seqs.tables, [6], torch.tensor([seqs.pool.num_slots]))
+    with pytest.raises(ValueError, match="slots must lie"):
+        model.backend.decode.run(torch.zeros(1, model.config.hidden_size), torch.tensor([5]), meta, seqs.pool)
+    assert torch.equal(seqs.pool_contents()[0], before)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])

@@ -61,3 +61,14 @@ def test_moving_rotated_keys_is_a_rotation_by_the_delta():
     at_old = apply_rotary(k, *rope.cos_sin(old, torch.float64))
     moved = apply_rotary(at_old, *rope.cos_sin(new - old, torch.float64))
     assert torch.allclose(moved, apply_rotary(k, *rope.cos_sin(new, torch.float64)), atol=1e-4)
+
+
+def test_the_table_rows_are_each_position_s_own_cos_sin():
+    """The fused decode reads RoPE's cos and sin out of RotaryEmbedding.table: each row must be what cos_sin
+    gives that position alone, bit for bit, or fused and per-op steps would rotate differently."""
+    _, config = configs({**LLAMA3, "rope_theta": 500000.0})
+    rotary = RotaryEmbedding(config)
+    cos, sin = rotary.table(8192)
+    for p in range(8192):
+        one_cos, one_sin = rotary.cos_sin(torch.tensor([p]), torch.float32)
+        assert torch.equal(cos[p], one_cos[0]) and torch.equal(sin[p], one_sin[0]), f"position {p}"
