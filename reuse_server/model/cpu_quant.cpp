@@ -406,3 +406,38 @@ extern "C" int kv_quant_linear_f32(const float* x, int64_t m, int64_t ldx, int64
         default: return -1;
     }
 }
+
+// Rows ids[0 .. count) of W as fp32, out: [count][k] (a tied model's embedding lookups, read out of its packed
+// head): code * scale + minimum, rounded as quant_weights.dequantize_rows rounds them (the product, then the
+// sum: never contracted into one FMA). The layouts are kv_quant_linear_f32's: a panel's int8 codes [k][64] and
+// int4 [k][32] (column j in the low nibble, j + 32 in the high one), and with int8 activations the same in
+// fours of k, [k / 4][64 or 32][4], int8 codes stored + 128. Returns -1 for bf16, which it does not read.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+extern "C" int kv_quant_rows(int64_t format, const uint8_t* panels, const void* scales, const void* mins,
+                             int64_t half_scales, int64_t group, int64_t k, const int64_t* ids, int64_t count,
+                             float* out) {
+    if (format == BF16 || format > INT4_A8 || group <= 0 || k <= 0) return -1;
+    const bool int8 = format == INT8 || format == INT8_A8, quads = format == INT8_A8 || format == INT4_A8;
+    const int64_t width = int8 ? PANEL : PANEL / 2, groups = (k + group - 1) / group;  // bytes a k takes a panel
+    const auto scale = [&](const void* t, int64_t at) {
+        return half_scales ? (float)static_cast<const _Float16*>(t)[at] : static_cast<const float*>(t)[at];
+    };
+    for (int64_t r = 0; r < count; ++r) {
+        const int64_t p = ids[r] / PANEL, c = ids[r] % PANEL, col = int8 ? c : c % (PANEL / 2);
+        const int shift = int8 ? 0 : 4 * (int)(c / (PANEL / 2));
+        const uint8_t* panel = panels + p * k * width;
+        float* y = out + r * k;
+        for (int64_t i = 0; i < k; ++i) {
+            const uint8_t byte = quads ? panel[((i / 4) * width + col) * 4 + i % 4] : panel[i * width + col];
+            const float q = int8 ? (quads ? (float)((int)byte - 128) : (float)(int8_t)byte)
+                                 : (float)((byte >> shift) & 15);
+            const int64_t at = (p * groups + i / group) * PANEL + c;
+            float w = q * scale(scales, at);
+            if (mins) w = w + scale(mins, at);
+            y[i] = w;
+        }
+    }
+    return 0;
+}
+#pragma GCC pop_options

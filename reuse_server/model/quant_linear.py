@@ -120,6 +120,7 @@ class NativeQuantLinear(nn.Module):
         self.__dict__["mins"] = None if weight.mins is None else by_panel(weight.mins.to(dtype))
         self.__dict__["bias"] = None if bias is None else F.pad(bias.detach().float(), (0, pad)).contiguous()
         self.__dict__["_fn"] = library.kv_quant_linear_f32
+        self.__dict__["_rows"] = library.kv_quant_rows
         # The kernel's arguments that never change, looked up once (a decode step makes ~150 calls); the fused
         # decode (fused_decode.py) hands them to the same kernel from C++.
         fmt = (_FORMATS_A8 if activations == "int8" else _FORMATS)[self.kind]
@@ -147,18 +148,21 @@ class NativeQuantLinear(nn.Module):
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows of W (the tied embedding's lookups), read out of the panels: [len(ids), in_features]."""
-        p, c = ids // PANEL, ids % PANEL
-        if self.activations == "int8":
-            codes = _codes_of_quads(self.codes, self.kind, p, c)
-        elif self.kind == "int4":
-            codes = (self.codes[p, :, c % 32] >> (4 * (c // 32)).to(torch.uint8).unsqueeze(1)) & 15
-        else:
-            codes = self.codes[p, :, c]
+        """fp32 rows of W (the tied embedding's lookups), read out of the panels: [len(ids), in_features],
+        dequantize_rows' values. int8/int4 in one native call (a decode step's few lookups, each a few hundred
+        cache lines of the panels, cost ~0.2 ms as a dozen torch ops)."""
         if self.kind == "bf16":
-            return codes.view(torch.bfloat16).float()
-        pick = lambda t: None if t is None else t[p, :, c]  # noqa: E731
-        return dequantize_rows(QuantizedWeight(self.kind, codes, pick(self.scales), pick(self.mins), self.group), None)
+            return self.codes[ids // PANEL, :, ids % PANEL].view(torch.bfloat16).float()
+        ids = ids.to(torch.int64).contiguous()
+        listed = ids.tolist()
+        if listed and (min(listed) < 0 or max(listed) >= self.out_features):
+            raise IndexError(f"rows must lie in [0, {self.out_features})")
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        fmt, codes, scales, mins, half_scales, group, _, _ = self.kernel_weights
+        if self._rows(fmt, codes, scales, mins, half_scales, group, self.in_features, ids.data_ptr(), ids.numel(),
+                      out.data_ptr()) != 0:
+            raise ValueError(f"the rows kernel does not read {self.kind}")
+        return out
 
     def extra_repr(self) -> str:
         return (f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
@@ -173,14 +177,6 @@ def _quads(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype == torch.int8:
         return (quads.to(torch.int16) + 128).to(torch.uint8).contiguous()
     return (quads[:, :, :32] | (quads[:, :, 32:] << 4)).contiguous()
-
-
-def _codes_of_quads(quads: torch.Tensor, kind: str, p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Columns c of panels p as codes [len(c), K], out of _quads' layout."""
-    if kind == "int8":
-        return (quads[p, :, c].to(torch.int16) - 128).to(torch.int8).flatten(1)
-    nibbles = (quads[p, :, c % 32] >> (4 * (c // 32)).to(torch.uint8).view(-1, 1, 1)) & 15
-    return nibbles.flatten(1)
 
 
 def _ptr(t: torch.Tensor | None):

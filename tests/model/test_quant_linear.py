@@ -172,3 +172,21 @@ def test_torch_int4_kernel_computes_the_same_product():
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(12))
     out = TorchInt4Linear(q, torch.ones(64))(x)
     assert torch.allclose(out.double(), F.linear(x.double(), q.dequantize().double()) + 1, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_rows_with_fp32_scales_round_the_product_then_the_sum(kind, activations):
+    """fp32 scales (a table whose scales fp16 does not hold) make code * scale inexact, so a lookup that fused
+    it with the minimum into one FMA would differ from dequantize_rows in the last bit."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, group = 130, 96, 32
+    codes = (torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8) if kind == "int8"
+             else torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8))
+    scales = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
+    mins = -torch.rand(n, k // group, generator=gen) * 0.1
+    q = QuantizedWeight(kind, codes, scales, mins, group)
+    ids = torch.tensor([0, 63, 64, 129, 7, 7])
+    assert torch.equal(NativeQuantLinear(q, None, activations).rows(ids), q.dequantize()[ids])
+    with pytest.raises(IndexError):
+        NativeQuantLinear(q, None, activations).rows(torch.tensor([n]))
