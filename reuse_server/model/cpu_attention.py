@@ -87,13 +87,18 @@ class KernelPlan:
             info.append((lo, hi, ctx, offset))
             offset += len(block_tables[s])
         self.positions = positions.to(torch.int64).contiguous()
-        if self.positions.numel():  # each token's position against its own sequence's context length
-            limits = torch.tensor(context_lens).repeat_interleave(torch.tensor(query_start).diff())
-            if bool((self.positions < 0).any()) or bool((self.positions >= limits).any()):
+        # Checked in Python: at a decode step's few rows a torch op costs more than the loop (and a step's
+        # Python runs with caches the weights just went through).
+        listed = self.positions.tolist()
+        for s in range(n):  # each token's position against its own sequence's context length
+            lo, hi, ctx = info[s][0], info[s][1], info[s][2]
+            if hi > lo and not (0 <= min(listed[lo:hi]) and max(listed[lo:hi]) < ctx):
                 raise ValueError("query positions must lie in [0, context length) of their sequence")
         self.num_sequences = n
         self.seq_info = torch.tensor(info, dtype=torch.int64).reshape(n, 4)
         self.block_tables = (torch.cat([t.to(torch.int64) for t in block_tables]) if offset
                              else torch.zeros(1, dtype=torch.int64))
-        if offset and (int(self.block_tables.min()) < 0 or int(self.block_tables.max()) >= num_blocks):
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        if offset:
+            lowest, highest = torch.aminmax(self.block_tables)
+            if int(lowest) < 0 or int(highest) >= num_blocks:
+                raise ValueError(f"block ids must lie in [0, {num_blocks})")

@@ -233,3 +233,15 @@ def test_takes_fp32_queries_on_the_cpu_over_every_kv_dtype(kernel):
     for dtype in KV_DTYPES:
         assert kernel.takes(torch.zeros(3, 4, 16), KVPool(1, 4, 4, 2, 16, dtype=dtype))
     assert not kernel.takes(torch.zeros(3, 4, 48), KVPool(1, 4, 4, 2, 48))  # head_dim 48: torch's path
+
+
+def test_a_plan_refuses_positions_and_blocks_outside_their_ranges():
+    """The kernel reads K/V at the block tables' ids up to each query's position: a position at or past its
+    sequence's context, or a block id outside the pool, would read outside what the sequence owns."""
+    tables = [torch.tensor([3, 1]), torch.tensor([0])]
+    KernelPlan([0, 2, 3], tables, [20, 5], torch.tensor([18, 19, 4]), 16, 4)  # in range: no error
+    for positions in ([18, 20, 4], [18, 19, 5], [-1, 19, 4]):
+        with pytest.raises(ValueError, match="query positions"):
+            KernelPlan([0, 2, 3], tables, [20, 5], torch.tensor(positions), 16, 4)
+    with pytest.raises(ValueError, match="block ids"):
+        KernelPlan([0, 2, 3], [torch.tensor([3, 4]), torch.tensor([0])], [20, 5], torch.tensor([18, 19, 4]), 16, 4)
