@@ -249,43 +249,52 @@ def product_figures(args) -> list[dict]:
             for name, t in configs]
 
 
+def decode_over_http(args, url: str, model: str, streams: int, tokens: int) -> float:
+    """Mean per-stream ms/token of `streams` concurrent streams, through the --client: "lean" reads raw SSE in
+    one event loop (bench_weights.decode_lean), "openai" runs the SDK in a thread a stream (bench_weights.decode),
+    whose per-chunk CPU (~0.4 ms) lands on the cores the server decodes on."""
+    from benchmarks import bench_weights
+
+    if args.client == "openai":
+        import openai
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
+        return bench_weights.decode(client, model, streams, tokens)
+    return bench_weights.decode_lean(url, model, streams, tokens)
+
+
 def http_figures(args, fused: bool) -> dict:
-    import openai
     from benchmarks.bench_ttft import server_process, served_model
-    from benchmarks.bench_weights import decode
     from reuse_server.model.fused_decode import ENV
 
     os.environ[ENV] = "1" if fused else "0"  # the server's model reads it as it packs its weights
     with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
                         args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, _proc):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
         model = served_model(url)
-        decode(client, model, 1, 4)  # lazy initialisation out of the way
-        one = min(decode(client, model, 1, args.tokens) for _ in range(args.repeats))  # best of, as step_ms
-        eight = decode(client, model, 8, args.tokens)
-    return dict(http_ms_b1=round(one, 2), http_ms_b8=round(eight, 2))
+        decode_over_http(args, url, model, 1, 4)  # lazy initialisation out of the way
+        one = min(decode_over_http(args, url, model, 1, args.tokens) for _ in range(args.repeats))  # best of
+        eight = decode_over_http(args, url, model, 8, args.tokens)
+    return dict(http_ms_b1=round(one, 2), http_ms_b8=round(eight, 2), client=args.client)
 
 
 def llama_server_figures(args) -> dict | None:
     """llama.cpp's server on the same GGUF and threads, through the same client code (bench_weights): one
     stream on one slot, then 8 streams on 8 slots; None where `llama-server` is not on PATH."""
     import shutil
-    import openai
     from benchmarks.bench_ttft import served_model
-    from benchmarks.bench_weights import decode, llama_server
+    from benchmarks.bench_weights import llama_server
     from reuse_server.model.loader import bundled_gguf_path
 
     binary = shutil.which("llama-server")
     if binary is None:
         return None
     gguf = bundled_gguf_path()
-    row = dict(bench="decode_llama_server", gguf=gguf.name, threads=args.threads)
+    row = dict(bench="decode_llama_server", gguf=gguf.name, threads=args.threads, client=args.client)
     for slots, key in ((1, "http_ms_b1"), (8, "http_ms_b8")):
         with llama_server(binary, gguf, args.threads, slots, slots * 1024) as (url, _proc):
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
             model = served_model(url)
-            decode(client, model, 1, 4)
-            runs = [decode(client, model, slots, args.tokens) for _ in range(args.repeats if slots == 1 else 1)]
+            decode_over_http(args, url, model, 1, 4)
+            runs = [decode_over_http(args, url, model, slots, args.tokens)
+                    for _ in range(args.repeats if slots == 1 else 1)]
             row[key] = round(min(runs), 2)
     return row
 
@@ -302,6 +311,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0,
                     help="in process: decode after a prompt of this many tokens (default: one short sentence)")
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--client", choices=("lean", "openai"), default="lean",
+                    help="the HTTP client of the served rows, ours and llama-server's (decode_over_http)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even when it is on PATH")
     ap.add_argument("--no-fused", action="store_true",
                     help="only the per-op path (by default a row for the fused decode, then one for the per-op path)")
