@@ -38,7 +38,7 @@ class BlockLayout:
 
     @property
     def data_nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * self.dtype.itemsize
 
     @property
     def scale_nbytes(self) -> int:
