@@ -141,8 +141,12 @@ inline void score_tile(const float* const* krow, const float* qt, int hd, float*
 // read from memory: 44.3 -> 40.6 ms for 30 layers; into L1, or all at once at the chunk's start, no gain).
 template <typename T>
 inline void prefetch_rows(const T* const* rows, int from, int to, int n, int hd) {
-    for (int k = from; k < std::min(to, n); ++k)
-        for (int b = 0; b < hd * (int)sizeof(T); b += 64) __builtin_prefetch((const char*)rows[k] + b, 0, 1);
+    const int bytes = hd * (int)sizeof(T);
+    for (int k = from; k < std::min(to, n); ++k) {
+        const char* row = (const char*)rows[k];
+#pragma GCC unroll 8
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 1);
+    }
 }
 
 template <int RV, typename T>
@@ -370,10 +374,11 @@ void few_rows_chunk(const float* const* kq, int keys, int64_t j0, bool masked, c
             if (masked) p = s == splat(-INFINITY) ? splat(0.f) : p;
             store(si + g * LANES, p);
         }
-        float sum = 0.f;  // in key order, as a row's lane adds them
-        for (int j = 0; j < keys; ++j) sum += si[j];
-        sums[i] = sum;
     }
+    // each row's sum in key order, as a row's lane adds them; the rows' sums side by side, not one row's after
+    // another's, so that their additions overlap instead of each waiting on the one before
+    for (int j = 0; j < keys; ++j)
+        for (int i = 0; i < rows; ++i) sums[i] += sc[i * CHUNK + j];
     store(l, load(l) * a + load(sums));
     store(m, m_new);
     store(alpha, a);
@@ -439,16 +444,19 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const T* v_pool = (const T*)pb.v_pool;
     auto fill = [&](int64_t j0, const T** kr, const T** vr, float* ks, float* vs) {
         const int keys = (int)std::max<int64_t>(0, std::min<int64_t>(CHUNK, key_end - j0));
-        for (int j = 0; j < keys; ++j) {
-            const int64_t key = j0 + j;
-            const int64_t block = table[key / pb.block_size];
-            const int64_t slot = block * pb.block_size + key % pb.block_size;
-            kr[j] = k_pool + slot * kv_stride + u.head * pb.hd;
-            vr[j] = v_pool + slot * kv_stride + u.head * pb.hd;
-            if constexpr (Format<T>::scaled) {
-                const int64_t at = (Format<T>::per_token ? slot : block) * pb.kv_heads + u.head;
-                ks[j] = pb.k_scales[at] * Format<T>::unit;
-                vs[j] = pb.v_scales[at] * Format<T>::unit;
+        // a block's keys at a time: one division a chunk, not one a key
+        int64_t b = j0 / pb.block_size, offset = j0 % pb.block_size;
+        for (int j = 0; j < keys; ++b, offset = 0) {
+            const int64_t block = table[b];
+            for (int64_t slot = block * pb.block_size + offset, end = (block + 1) * pb.block_size;
+                 slot < end && j < keys; ++slot, ++j) {
+                kr[j] = k_pool + slot * kv_stride + u.head * pb.hd;
+                vr[j] = v_pool + slot * kv_stride + u.head * pb.hd;
+                if constexpr (Format<T>::scaled) {
+                    const int64_t at = (Format<T>::per_token ? slot : block) * pb.kv_heads + u.head;
+                    ks[j] = pb.k_scales[at] * Format<T>::unit;
+                    vs[j] = pb.v_scales[at] * Format<T>::unit;
+                }
             }
         }
         return keys;
