@@ -109,15 +109,19 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
         if model.use_fused_decode(fused) != fused:
             raise SystemExit(f"the fused decode does not run {args.weight_dtype} weights here (try --no-fused)")
 
-    def decode_steps(tag: str, n: int) -> float:
-        engine.add_request(tag, prompt, params, CacheOptions(prefix_cache=False))
+    def decode_steps(tag: str, n: int, streams: int = 1) -> float:
+        tags = [tag] if streams == 1 else [f"{tag}-{i}" for i in range(streams)]
+        for i, t in enumerate(tags):  # several streams: each its own prompt, as the served 8 streams have
+            ids = prompt if streams == 1 else prompt + engine.tokenizer.encode(f" (Version {i + 1}.)")
+            engine.add_request(t, ids, params, CacheOptions(prefix_cache=False))
         for _ in range(4):  # prefill and a few warm steps
             engine.step()
         start = time.perf_counter()
         for _ in range(n):
             engine.step()
         elapsed = time.perf_counter() - start
-        engine.abort(tag)
+        for t in tags:
+            engine.abort(t)
         return elapsed / n
 
     forward_seconds = [0.0]
@@ -147,6 +151,19 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
         rows[fused] = dict(step_ms=round(1e3 * steps[fused][best], 2),
                            forward_ms=round(1e3 * forwards[fused][best], 2))
         rows[fused].update(timed_parts(args, engine, decode_steps, forwards[fused][best], f"timed-{fused}"))
+
+    if True in modes:  # 8 streams in one step, as 8 served streams decode: the step, its fused layers, its head
+        use(True)
+        rows[True]["step_ms_b8"] = round(1e3 * min(decode_steps(f"eight{i}", args.tokens, 8)
+                                                   for i in range(args.repeats)), 2)
+        from reuse_server.model import fused_decode, llama
+        timers = Timers()
+        timers.wrap(fused_decode.FusedDecode, "run", "fused_layers")
+        timers.wrap(llama.LlamaModel, "compute_logits", "head")
+        decode_steps("eight-timed", args.tokens, 8)
+        timers.restore()
+        for part in ("fused_layers", "head"):
+            rows[True][f"{part}_ms_b8"] = round(1e3 * timers.seconds[part] / (args.tokens + 4), 2)
 
     kernels = (quant_linear.NativeQuantLinear, cpu_linear.NativeLinear)
     for row in rows.values():
@@ -249,17 +266,22 @@ def product_figures(args) -> list[dict]:
             for name, t in configs]
 
 
-def decode_over_http(args, url: str, model: str, streams: int, tokens: int) -> float:
+def decode_over_http(args, url: str, model: str, streams: int, tokens: int, cpu: list[float] | None = None) -> float:
     """Mean per-stream ms/token of `streams` concurrent streams, through the --client: "lean" reads raw SSE in
     one event loop (bench_weights.decode_lean), "openai" runs the SDK in a thread a stream (bench_weights.decode),
-    whose per-chunk CPU (~0.4 ms) lands on the cores the server decodes on."""
+    whose per-chunk CPU (~0.4 ms) lands on the cores the server decodes on. cpu: if given, gets the client's CPU
+    seconds while streaming appended."""
     from benchmarks import bench_weights
 
     if args.client == "openai":
         import openai
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1200)
-        return bench_weights.decode(client, model, streams, tokens)
-    return bench_weights.decode_lean(url, model, streams, tokens)
+        start = time.process_time()
+        ms = bench_weights.decode(client, model, streams, tokens)
+        if cpu is not None:
+            cpu.append(time.process_time() - start)
+        return ms
+    return bench_weights.decode_lean(url, model, streams, tokens, cpu)
 
 
 def http_figures(args, fused: bool) -> dict:
@@ -268,12 +290,30 @@ def http_figures(args, fused: bool) -> dict:
 
     os.environ[ENV] = "1" if fused else "0"  # the server's model reads it as it packs its weights
     with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
-                        args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, _proc):
+                        args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, proc):
         model = served_model(url)
         decode_over_http(args, url, model, 1, 4)  # lazy initialisation out of the way
-        one = min(decode_over_http(args, url, model, 1, args.tokens) for _ in range(args.repeats))  # best of
-        eight = decode_over_http(args, url, model, 8, args.tokens)
-    return dict(http_ms_b1=round(one, 2), http_ms_b8=round(eight, 2), client=args.client)
+        one = min((served_cpu(args, url, model, proc.pid, 1) for _ in range(args.repeats)), key=lambda r: r[0])
+        eight = served_cpu(args, url, model, proc.pid, 8)
+    row = dict(http_ms_b1=round(one[0], 2), http_ms_b8=round(eight[0], 2), client=args.client)
+    for streams, (_, loop_ms, client_ms) in ((1, one), (8, eight)):
+        row[f"server_loop_cpu_ms_b{streams}"] = round(loop_ms, 2)
+        row[f"client_cpu_ms_b{streams}"] = round(client_ms, 2)
+    return row
+
+
+def served_cpu(args, url: str, model: str, pid: int, streams: int) -> tuple[float, float, float]:
+    """decode_over_http's ms per token, and the CPU each step of those streams cost the server's event loop
+    (its main thread: the API, SSE and HTTP work, on the cores the engine decodes on) and this client, in ms."""
+    import psutil
+
+    def loop_seconds() -> float:
+        return next(t.user_time + t.system_time for t in psutil.Process(pid).threads() if t.id == pid)
+
+    loop, client = loop_seconds(), []
+    ms = decode_over_http(args, url, model, streams, args.tokens, client)
+    steps = args.tokens
+    return ms, 1e3 * (loop_seconds() - loop) / steps, 1e3 * client[0] / steps
 
 
 def llama_server_figures(args) -> dict | None:
