@@ -9,6 +9,8 @@ decoding `--tokens` tokens after a short prompt (or `--context` tokens of one):
   norm_rope (RMSNorm, RoPE, the SiLU gating), fused_layers (the fused decode: every layer of a decode step in
   one native call, its plan included), embed; python_dispatch is the uninstrumented forward minus those;
   scheduler (schedule + update, less the detokenizer), sampler, detokenizer.
+The fused row also has 8 streams decoding together in the engine (after a short prompt, not with --context):
+step_ms_b8, and from one timed run fused_layers_ms_b8 and head_ms_b8.
 A row with the fused decode (fused: true; fused_steps counts the steps it ran), then one with the per-op path
 (fused: false), both from one engine whose timed repeats alternate; --no-fused: only the per-op row. Those rows
 for each --activation-dtype setting in turn (by default fp32, the exact products, then int8).
@@ -16,7 +18,10 @@ Over HTTP, per row a server (`reuse-server serve`, same weights and threads, KV_
 says) streams `--tokens` tokens to one client: http_ms is the time between its first and last streamed token
 per token (best of --repeats), and http_overhead_ms = http_ms - step_ms is what the async engine, the API and
 SSE (and the client) add per token.
-Then 8 concurrent streams over HTTP (mean per-stream ms/token), and the memory read bandwidth of this
+Then 8 concurrent streams over HTTP (mean per-stream ms/token). For 1 and 8 streams, server_loop_cpu_ms_b* and
+client_cpu_ms_b* are the CPU a step cost the server's event loop (its main thread) and the client (--client lean:
+one event loop reading raw SSE with httpx; openai: the SDK, a thread a stream), on the cores the engine decodes
+on. Then the memory read bandwidth of this
 machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set). Where `llama-server`
 is on PATH, it serves the same GGUF on the same threads to the same client, at 1 and 8 streams.
 With --products, only the model's quantized products of one decode step, replayed on 1 and --threads threads
@@ -112,7 +117,10 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
     def decode_steps(tag: str, n: int, streams: int = 1) -> float:
         tags = [tag] if streams == 1 else [f"{tag}-{i}" for i in range(streams)]
         for i, t in enumerate(tags):  # several streams: each its own prompt, as the served 8 streams have
-            ids = prompt if streams == 1 else prompt + engine.tokenizer.encode(f" (Version {i + 1}.)")
+            ids = prompt
+            if streams > 1:  # as long as the one stream's prompt, its end made its own
+                suffix = engine.tokenizer.encode(f" (Version {i + 1}.)")
+                ids = prompt[:max(1, len(prompt) - len(suffix))] + suffix
             engine.add_request(t, ids, params, CacheOptions(prefix_cache=False))
         for _ in range(4):  # prefill and a few warm steps
             engine.step()
@@ -152,7 +160,9 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
                            forward_ms=round(1e3 * forwards[fused][best], 2))
         rows[fused].update(timed_parts(args, engine, decode_steps, forwards[fused][best], f"timed-{fused}"))
 
-    if True in modes:  # 8 streams in one step, as 8 served streams decode: the step, its fused layers, its head
+    # 8 streams in one step, as 8 served streams decode: the step, its fused layers, its head (after a short
+    # prompt: 8 long contexts would not fit the pool)
+    if True in modes and not args.context:
         use(True)
         rows[True]["step_ms_b8"] = round(1e3 * min(decode_steps(f"eight{i}", args.tokens, 8)
                                                    for i in range(args.repeats)), 2)
