@@ -37,7 +37,6 @@ class NativeOps:
         self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
 
-
     def argmax(self, x: torch.Tensor) -> list[int]:
         """x.argmax(-1).tolist() for x [rows, n] (takes(x)), in one pass a row instead of torch's one by one."""
         out = torch.empty(x.shape[0], dtype=torch.int64)

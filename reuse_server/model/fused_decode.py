@@ -170,9 +170,9 @@ class FusedDecode:
 
     def _scratch_buffers(self, config) -> dict[str, torch.Tensor]:
         heads, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        widths = dict(cos=self.head_dim, sin=self.head_dim, normed=config.hidden_size, qkv=heads + 2 * kv_width, qk=heads + kv_width, kv=2 * kv_width,
-                      attn=heads, proj=config.hidden_size, gate_up=2 * config.intermediate_size,
-                      act=config.intermediate_size)
+        widths = dict(cos=self.head_dim, sin=self.head_dim, normed=config.hidden_size, qkv=heads + 2 * kv_width,
+                      qk=heads + kv_width, kv=2 * kv_width, attn=heads, proj=config.hidden_size,
+                      gate_up=2 * config.intermediate_size, act=config.intermediate_size)
         return {name: torch.empty(MAX_ROWS, widths[name], dtype=torch.float32) for name in SCRATCH}
 
 
