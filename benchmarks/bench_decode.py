@@ -22,7 +22,9 @@ Then 8 concurrent streams over HTTP (mean per-stream ms/token). For 1 and 8 stre
 client_cpu_ms_b* are the CPU a step cost the server's event loop (its main thread) and the client (--client lean:
 one event loop reading raw SSE with httpx; openai: the SDK, a thread a stream), on the cores the engine decodes
 on. Then the memory read bandwidth of this
-machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set). Where `llama-server`
+machine in the same run (a torch sum over 256 MiB: the floor a step's weight bytes set), and its FMA ceiling
+(fma_g_s: billions of fma_lanes-wide fp32 FMAs a second over --threads pinned threads, benchmarks/fma_peak.cpp:
+the floor a step's arithmetic sets). Where `llama-server`
 is on PATH, it serves the same GGUF on the same threads to the same client, at 1 and 8 streams.
 With --products, only the model's quantized products of one decode step, replayed on 1 and --threads threads
 through this tree's kernels and any other builds given (--library), alternating in one process.
@@ -57,6 +59,30 @@ def read_bandwidth_gb_s(mib: int = 256) -> float:
     a.sum()
     best = min(_timed(a.sum) for _ in range(5))
     return a.numel() * 4 / best / 1e9
+
+
+def fma_g_s(threads: int) -> tuple[float, int] | None:
+    """This CPU's fp32 FMA ceiling: 16-lane (or 8-lane) FMAs a second, in billions, summed over `threads`
+    threads each pinned to its own CPU (benchmarks/fma_peak.cpp), and the lanes; None without g++."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        return None
+    source = Path(__file__).with_name("fma_peak.cpp")
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / "fma_peak"
+        try:
+            subprocess.run(["g++", "-O2", "-march=native", "-pthread", "-o", str(binary), str(source)], check=True,
+                           capture_output=True)
+            lines = subprocess.run([str(binary), str(threads)], check=True, capture_output=True,
+                                   text=True).stdout.split()
+        except subprocess.CalledProcessError:  # a CPU without FMA (or AVX2)
+            return None
+    rows = [lines[i:i + 4] for i in range(0, len(lines), 4)]
+    return sum(float(r[2]) for r in rows) / 1e9, int(rows[0][1])
 
 
 def _timed(fn) -> float:
@@ -383,6 +409,7 @@ def main() -> None:
         return
     modes = [False] if args.no_fused else [True, False]
     read_gb_s = round(read_bandwidth_gb_s(), 1)
+    fma = fma_g_s(args.threads)
     settings = args.activation_dtype.split(",")
     for activation_dtype in settings:
         if activation_dtype not in ("fp32", "int8"):
@@ -393,6 +420,7 @@ def main() -> None:
         for fused in modes:
             row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, activation_dtype=activation_dtype,
                        tokens=args.tokens, fused=fused, context=args.context or None, read_gb_s=read_gb_s,
+                       fma_g_s=None if fma is None else round(fma[0], 2), fma_lanes=None if fma is None else fma[1],
                        **rows[fused])
             if not args.no_http:
                 row.update(http_figures(run, fused))
