@@ -62,8 +62,8 @@ def read_bandwidth_gb_s(mib: int = 256) -> float:
 
 
 def fma_g_s(threads: int) -> tuple[float, int] | None:
-    """This CPU's fp32 FMA ceiling: 16-lane (or 8-lane) FMAs a second, in billions, summed over `threads`
-    threads each pinned to its own CPU (benchmarks/fma_peak.cpp), and the lanes; None without g++."""
+    """This CPU's fp32 FMA ceiling: 16-lane FMAs (two 8-lane ones with AVX2) a second, in billions, summed over
+    `threads` threads each pinned to its own CPU (benchmarks/fma_peak.cpp), and the lanes; None without g++."""
     import shutil
     import subprocess
     import tempfile
@@ -79,7 +79,7 @@ def fma_g_s(threads: int) -> tuple[float, int] | None:
                            capture_output=True)
             lines = subprocess.run([str(binary), str(threads)], check=True, capture_output=True,
                                    text=True).stdout.split()
-        except subprocess.CalledProcessError:  # a CPU without FMA (or AVX2)
+        except subprocess.CalledProcessError:  # g++ could not build it for this CPU
             return None
     rows = [lines[i:i + 4] for i in range(0, len(lines), 4)]
     return sum(float(r[2]) for r in rows) / 1e9, int(rows[0][1])
