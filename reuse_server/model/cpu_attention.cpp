@@ -149,6 +149,29 @@ inline void prefetch_rows(const T* const* rows, int from, int to, int n, int hd)
     }
 }
 
+// The next chunk's pool rows (K rows, then V rows), asked for a few lines at a time from inside this chunk's
+// loops. Asked for all at once, they filled the core's few outstanding-miss slots and the loads behind them
+// waited, so the chunk's arithmetic ran after its reads instead of beside them.
+template <typename T>
+struct Ahead {
+    const T* const* k = nullptr;
+    const T* const* v = nullptr;
+    int keys = 0, bytes = 0;  // rows of each of k and v; bytes a row
+    int row = 0;              // the next row: k rows first (row < keys), then v rows
+    void start(const T* const* k_rows, const T* const* v_rows, int n, int hd) {
+        k = k_rows; v = v_rows; keys = n; bytes = hd * (int)sizeof(T); row = 0;
+    }
+    // the next `count` rows' lines
+    inline void ask(int count) {
+        for (; count > 0 && row < 2 * keys; --count, ++row) {
+            const char* r = (const char*)(row < keys ? k[row] : v[row - keys]);
+#pragma GCC unroll 8
+            for (int b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 1);
+        }
+    }
+    inline void rest() { ask(2 * keys); }
+};
+
 template <int RV, typename T>
 void score_chunk(const float* const* krow, int keys, const float* qt, int hd, float* st,
                  const T* const* knext, const T* const* vnext, int nnext) {
@@ -166,11 +189,12 @@ void score_chunk(const float* const* krow, int keys, const float* qt, int hd, fl
 // k's scale (scaled formats). Each row's sums are its own: which tile computes a row never changes it.
 template <int HV, int RT, typename T>
 inline void value_tile(const T* const* vrow, const float* vscale, int keys, const float* p, int key_stride,
-                       int row_stride, float* o, int hd) {
+                       int row_stride, float* o, int hd, Ahead<T>* ahead = nullptr) {
     v16 acc[RT][HV];
     for (int i = 0; i < RT; ++i)
         for (int h = 0; h < HV; ++h) acc[i][h] = load(o + i * hd + h * LANES);
     for (int k = 0; k < keys; ++k) {
+        if (ahead) ahead->ask(1);
         v16 vv[HV];
         for (int h = 0; h < HV; ++h) vv[h] = widen(vrow[k] + h * LANES);
         if constexpr (Format<T>::scaled)
@@ -232,21 +256,19 @@ inline void transpose16(__m512 r[16]) {
 
 // kt[d][j] = kq[j][d] for the chunk's keys, zeros for the columns past them (a whole CHUNK of columns).
 template <typename T>
-void transpose_keys(const float* const* kq, int keys, int hd, float* kt, const T* const* knext,
-                    const T* const* vnext, int nnext) {
+void transpose_keys(const float* const* kq, int keys, int hd, float* kt, Ahead<T>& ahead) {
     alignas(64) static const float zeros[MAX_HEAD_DIM] = {};
     for (int j0 = 0; j0 < CHUNK; j0 += LANES) {
         if (j0 >= keys) {
             for (int d = 0; d < hd; ++d) _mm512_store_ps(kt + d * CHUNK + j0, _mm512_setzero_ps());
             continue;
         }
-        prefetch_rows(knext, j0, j0 + LANES, nnext, hd);
-        prefetch_rows(vnext, j0, j0 + LANES, nnext, hd);
         const float* src[LANES];
         for (int j = 0; j < LANES; ++j) src[j] = j0 + j < keys ? kq[j0 + j] : zeros;
         for (int d0 = 0; d0 < hd; d0 += LANES) {
             __m512 r[16];
             for (int j = 0; j < LANES; ++j) r[j] = _mm512_loadu_ps(src[j] + d0);
+            ahead.ask(2);
             transpose16(r);
             for (int c = 0; c < LANES; ++c) _mm512_store_ps(kt + (d0 + c) * CHUNK + j0, r[c]);
         }
@@ -254,12 +276,13 @@ void transpose_keys(const float* const* kq, int keys, int hd, float* kt, const T
 }
 
 // sc[i][j] (row r0 + i, key j of the chunk) = sum over d in order of qt[d][r0 + i] * kt[d][j], NR rows at once.
-template <int NR>
-inline void key_scores(const float* qt, int r0, const float* kt, int hd, float* sc) {
+template <int NR, typename T>
+inline void key_scores(const float* qt, int r0, const float* kt, int hd, float* sc, Ahead<T>& ahead) {
     v16 acc[NR][CHUNK / LANES];
     for (int i = 0; i < NR; ++i)
         for (int g = 0; g < CHUNK / LANES; ++g) acc[i][g] = v16{};
     for (int d = 0; d < hd; ++d) {
+        ahead.ask(1);
         v16 kv[CHUNK / LANES];
         for (int g = 0; g < CHUNK / LANES; ++g) kv[g] = load(kt + d * CHUNK + g * LANES);
         for (int i = 0; i < NR; ++i) {
@@ -279,18 +302,19 @@ inline float lanes_max(v16 v) {
 
 // o[i][:] += sum_k p[i * CHUNK + k] * vrow[k][:] for rows 0..rows-1, in tiles of exactly the rows there are.
 template <int HV, typename T>
-void value_rows(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd) {
+void value_rows(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd,
+                Ahead<T>& ahead) {
     constexpr int TILE = HV >= 8 ? 3 : 6;
     for (int i0 = 0; i0 < rows; i0 += TILE) {
         const float* pi = p + i0 * CHUNK;
         float* oi = o + i0 * hd;
         switch (std::min(TILE, rows - i0)) {
-            case 1: value_tile<HV, 1>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
-            case 2: value_tile<HV, 2>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
-            case 3: value_tile<HV, 3>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
-            case 4: value_tile<HV, 4>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
-            case 5: value_tile<HV, 5>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
-            default: value_tile<HV, 6>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd); break;
+            case 1: value_tile<HV, 1>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
+            case 2: value_tile<HV, 2>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
+            case 3: value_tile<HV, 3>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
+            case 4: value_tile<HV, 4>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
+            case 5: value_tile<HV, 5>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
+            default: value_tile<HV, 6>(vrow, vscale, keys, pi, 1, CHUNK, oi, hd, &ahead); break;
         }
     }
 }
@@ -320,20 +344,32 @@ struct Problem {
 };
 
 #if defined(__AVX512F__)
+// sums[i] += p[i * CHUNK + j] over the chunk's keys j in order, for NR rows: each row's sum in key order, as a
+// row's lane adds them in the rows-as-lanes path. The rows side by side, in registers, so that their additions
+// overlap instead of each waiting on the one before (through memory, they did).
+template <int NR>
+inline void row_sums(const float* p, int keys, float* sums) {
+    float acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = sums[i];
+    for (int j = 0; j < keys; ++j)
+        for (int i = 0; i < NR; ++i) acc[i] += p[i * CHUNK + j];
+    for (int i = 0; i < NR; ++i) sums[i] = acc[i];
+}
+
 // A chunk's scores and softmax for up to 16 rows, keys as lanes (see KEYS_AS_LANES): leaves each row's weights
 // in sc[row][key], and its running max, exp-sum and rescale factor in m, l and alpha, as the rows-as-lanes code
 // below computes them.
 template <typename T>
 void few_rows_chunk(const float* const* kq, int keys, int64_t j0, bool masked, const float* hi, const float* lo,
                     const float* qt, int hd, int rows, float* kt, float* sc, float* m, float* l, float* alpha,
-                    const T* const* knext, const T* const* vnext, int nnext) {
-    transpose_keys<T>(kq, keys, hd, kt, knext, vnext, nnext);
+                    Ahead<T>& ahead) {
+    transpose_keys<T>(kq, keys, hd, kt, ahead);
     int r = 0;
-    for (; r + 4 <= rows; r += 4) key_scores<4>(qt, r, kt, hd, sc);
+    for (; r + 4 <= rows; r += 4) key_scores<4>(qt, r, kt, hd, sc, ahead);
     switch (rows - r) {
-        case 3: key_scores<3>(qt, r, kt, hd, sc); break;
-        case 2: key_scores<2>(qt, r, kt, hd, sc); break;
-        case 1: key_scores<1>(qt, r, kt, hd, sc); break;
+        case 3: key_scores<3>(qt, r, kt, hd, sc, ahead); break;
+        case 2: key_scores<2>(qt, r, kt, hd, sc, ahead); break;
+        case 1: key_scores<1>(qt, r, kt, hd, sc, ahead); break;
         default: break;
     }
     const int groups = (keys + LANES - 1) / LANES;
@@ -375,20 +411,55 @@ void few_rows_chunk(const float* const* kq, int keys, int64_t j0, bool masked, c
             store(si + g * LANES, p);
         }
     }
-    // each row's sum in key order, as a row's lane adds them; the rows' sums side by side, not one row's after
-    // another's, so that their additions overlap instead of each waiting on the one before
-    for (int j = 0; j < keys; ++j)
-        for (int i = 0; i < rows; ++i) sums[i] += sc[i * CHUNK + j];
+    int i = 0;
+    for (; i + 4 <= rows; i += 4) row_sums<4>(sc + i * CHUNK, keys, sums + i);
+    switch (rows - i) {
+        case 3: row_sums<3>(sc + i * CHUNK, keys, sums + i); break;
+        case 2: row_sums<2>(sc + i * CHUNK, keys, sums + i); break;
+        case 1: row_sums<1>(sc + i * CHUNK, keys, sums + i); break;
+        default: break;
+    }
     store(l, load(l) * a + load(sums));
     store(m, m_new);
     store(alpha, a);
 }
 #endif
 
-// One task: a unit's rows against keys [key_begin, key_end). Leaves the unnormalized output rows in o
-// ([PAD_ROWS][hd]) and each row's running max and exp-sum in m and l.
+// Unit u's K and V rows in the pool for keys [j0, min(j0 + CHUNK, key_end)), and their scales (scaled
+// formats); returns how many.
 template <typename T>
-void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_end, float* o, float* m, float* l) {
+int chunk_rows(const Problem& pb, const Unit& u, int64_t j0, int64_t key_end, const T** kr, const T** vr,
+               float* ks, float* vs) {
+    const T* k_pool = (const T*)pb.k_pool;
+    const T* v_pool = (const T*)pb.v_pool;
+    const int64_t* table = pb.block_tables + pb.seq_info[4 * u.seq + 3];
+    const int64_t kv_stride = pb.kv_heads * pb.hd;
+    const int keys = (int)std::max<int64_t>(0, std::min<int64_t>(CHUNK, key_end - j0));
+    // a block's keys at a time: one division a chunk, not one a key
+    int64_t b = j0 / pb.block_size, offset = j0 % pb.block_size;
+    for (int j = 0; j < keys; ++b, offset = 0) {
+        const int64_t block = table[b];
+        for (int64_t slot = block * pb.block_size + offset, end = (block + 1) * pb.block_size;
+             slot < end && j < keys; ++slot, ++j) {
+            kr[j] = k_pool + slot * kv_stride + u.head * pb.hd;
+            vr[j] = v_pool + slot * kv_stride + u.head * pb.hd;
+            if constexpr (Format<T>::scaled) {
+                const int64_t at = (Format<T>::per_token ? slot : block) * pb.kv_heads + u.head;
+                ks[j] = pb.k_scales[at] * Format<T>::unit;
+                vs[j] = pb.v_scales[at] * Format<T>::unit;
+            }
+        }
+    }
+    return keys;
+}
+
+// One task: a unit's rows against keys [key_begin, key_end). Leaves the unnormalized output rows in o
+// ([PAD_ROWS][hd]) and each row's running max and exp-sum in m and l. A few-rows task asks for the first chunk
+// of `then` (the task its thread runs next, or null) during its own last one; `warm`: this task's first chunk
+// was asked for so.
+template <typename T>
+void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_end, float* o, float* m, float* l,
+              const Unit* then = nullptr, int64_t then_begin = 0, int64_t then_end = 0, bool warm = false) {
     constexpr bool plain = std::is_same_v<T, float>;
     alignas(64) float qt[MAX_HEAD_DIM * MAX_ROWS];
     alignas(64) float st[CHUNK * MAX_ROWS + 32];  // + the PV tiles' overrun past the last row
@@ -401,6 +472,7 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const T** vrow = rows[1];
     const T** knext = rows[2];
     const T** vnext = rows[3];
+    Ahead<T> ahead;  // few rows: the next chunk's rows, asked for from inside this chunk's loops
     // other formats: this chunk's K rows widened to fp32 (ktile, read through kf), and each row's scales
     alignas(64) float ktile[plain ? 1 : CHUNK * MAX_HEAD_DIM];
     const float* kf[CHUNK];
@@ -413,7 +485,6 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     const int64_t group = pb.heads / pb.kv_heads;
     const int64_t* info = pb.seq_info + 4 * u.seq;
     const int64_t q0 = info[0];
-    const int64_t* table = pb.block_tables + info[3];
     const int rv = (int)((u.rows + LANES - 1) / LANES);
     const bool few = KEYS_AS_LANES && rv == 1;
 
@@ -438,42 +509,30 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
     }
     std::memset(o, 0, sizeof(float) * pv_rows * hd);
     for (int r = 0; r < MAX_ROWS; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
-    const int64_t kv_stride = pb.kv_heads * pb.hd;
 
-    const T* k_pool = (const T*)pb.k_pool;
-    const T* v_pool = (const T*)pb.v_pool;
-    auto fill = [&](int64_t j0, const T** kr, const T** vr, float* ks, float* vs) {
-        const int keys = (int)std::max<int64_t>(0, std::min<int64_t>(CHUNK, key_end - j0));
-        // a block's keys at a time: one division a chunk, not one a key
-        int64_t b = j0 / pb.block_size, offset = j0 % pb.block_size;
-        for (int j = 0; j < keys; ++b, offset = 0) {
-            const int64_t block = table[b];
-            for (int64_t slot = block * pb.block_size + offset, end = (block + 1) * pb.block_size;
-                 slot < end && j < keys; ++slot, ++j) {
-                kr[j] = k_pool + slot * kv_stride + u.head * pb.hd;
-                vr[j] = v_pool + slot * kv_stride + u.head * pb.hd;
-                if constexpr (Format<T>::scaled) {
-                    const int64_t at = (Format<T>::per_token ? slot : block) * pb.kv_heads + u.head;
-                    ks[j] = pb.k_scales[at] * Format<T>::unit;
-                    vs[j] = pb.v_scales[at] * Format<T>::unit;
-                }
-            }
-        }
-        return keys;
-    };
-    int next_keys = fill(key_begin, knext, vnext, kscale_next, vscale_next);
+    int next_keys = chunk_rows<T>(pb, u, key_begin, key_end, knext, vnext, kscale_next, vscale_next);
     // The first chunk's rows too (each later chunk's are asked for while the one before computes): a decode
     // unit of a short context is one or two chunks, and waiting on their rows one by one was most of its time
     // (8 streams 100 tokens in, 30 layers: 2.47 -> 1.90 ms).
-    prefetch_rows(knext, 0, next_keys, next_keys, hd);
-    prefetch_rows(vnext, 0, next_keys, next_keys, hd);
+    if (!(few && warm)) {
+        prefetch_rows(knext, 0, next_keys, next_keys, hd);
+        prefetch_rows(vnext, 0, next_keys, next_keys, hd);
+    }
     for (int64_t j0 = key_begin; j0 < key_end; j0 += CHUNK) {
         std::swap(krow, knext);
         std::swap(vrow, vnext);
         std::swap(kscale, kscale_next);
         std::swap(vscale, vscale_next);
         const int keys = next_keys;
-        next_keys = fill(j0 + CHUNK, knext, vnext, kscale_next, vscale_next);
+        next_keys = chunk_rows<T>(pb, u, j0 + CHUNK, key_end, knext, vnext, kscale_next, vscale_next);
+        if (few) {
+            if (next_keys > 0 || then == nullptr) {
+                ahead.start(knext, vnext, next_keys, hd);
+            } else {  // the last chunk: ask for the next task's first (knext, vnext are free now)
+                const int n = chunk_rows<T>(pb, *then, then_begin, then_end, knext, vnext, kscale_next, vscale_next);
+                ahead.start(knext, vnext, n, hd);
+            }
+        }
         const float* const* kq;  // the chunk's K rows in fp32
         if constexpr (plain) {
             kq = krow;
@@ -492,8 +551,7 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
         const bool masked = (float)(j0 + keys - 1) > min_hi || (float)j0 < max_lo;
         if (few) {
 #if defined(__AVX512F__)
-            few_rows_chunk<T>(kq, keys, j0, masked, hi, lo, qt, hd, (int)u.rows, kt, sc, m, l, alpha, knext, vnext,
-                              next_keys);
+            few_rows_chunk<T>(kq, keys, j0, masked, hi, lo, qt, hd, (int)u.rows, kt, sc, m, l, alpha, ahead);
 #endif
         } else {
             switch (rv) {
@@ -544,11 +602,12 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
         if (few) {
 #if defined(__AVX512F__)
             switch (hd / LANES) {
-                case 1: value_rows<1>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
-                case 2: value_rows<2>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
-                case 4: value_rows<4>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
-                default: value_rows<8>(vrow, vscale, keys, sc, (int)u.rows, o, hd); break;
+                case 1: value_rows<1>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
+                case 2: value_rows<2>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
+                case 4: value_rows<4>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
+                default: value_rows<8>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
             }
+            ahead.rest();
 #endif
         } else {
             switch (hd / LANES) {
@@ -632,25 +691,35 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
 
     // Shared tasks, not an OpenMP team: a team's barrier waits for a helper the scheduler has not run, which on
     // a busy CPU made one call many times slower than one thread alone (cpu_tasks.h says more).
-    auto compute = [&](int64_t t) {
+    // A thread takes consecutive tasks a few at a time (a job) when there are many: a sequence's KV heads one
+    // after another, each asking for the next one's first chunk while it computes its last (8 decode streams
+    // 100 keys in spent most of their attention waiting on each unit's first rows).
+    const int64_t per_job = std::max<int64_t>(1, num_tasks / (4 * num_threads));
+    const int64_t num_jobs = (num_tasks + per_job - 1) / per_job;
+    auto compute = [&](int64_t job) {
         thread_local std::vector<float> own_o;
         if (own_o.size() < (size_t)(PAD_ROWS * head_dim)) own_o.resize(PAD_ROWS * head_dim);
         alignas(64) float own_m[MAX_ROWS], own_l[MAX_ROWS];
-        const Task& task = tasks[t];
-        const Unit& u = units[task.unit];
-        const int64_t slot = partial_slot[t];
-        float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
-        float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
-        float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
-        run_task<T>(pb, u, task.key_begin, task.key_end, o, m, l);
-        if (slot >= 0) return;
-        for (int64_t r = 0; r < u.rows; ++r) {
-            float* dst = out_row(pb, u, r);
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r * head_dim + d] * inv;
+        const int64_t first = job * per_job, last = std::min(num_tasks, first + per_job);
+        for (int64_t t = first; t < last; ++t) {
+            const Task& task = tasks[t];
+            const Unit& u = units[task.unit];
+            const int64_t slot = partial_slot[t];
+            float* o = slot < 0 ? own_o.data() : part_o.data() + slot * PAD_ROWS * head_dim;
+            float* m = slot < 0 ? own_m : part_m.data() + slot * MAX_ROWS;
+            float* l = slot < 0 ? own_l : part_l.data() + slot * MAX_ROWS;
+            const Task* then = t + 1 < last ? &tasks[t + 1] : nullptr;
+            run_task<T>(pb, u, task.key_begin, task.key_end, o, m, l, then ? &units[then->unit] : nullptr,
+                        then ? then->key_begin : 0, then ? then->key_end : 0, t > first);
+            if (slot >= 0) continue;
+            for (int64_t r = 0; r < u.rows; ++r) {
+                float* dst = out_row(pb, u, r);
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                for (int64_t d = 0; d < head_dim; ++d) dst[d] = o[r * head_dim + d] * inv;
+            }
         }
     };
-    kv::share_tasks(num_tasks, run_threads, compute);
+    kv::share_tasks(num_jobs, run_threads, compute);
     auto merge = [&](int64_t i) {
         const Unit& u = units[i];
         if (u.num_tasks < 2) return;
