@@ -375,6 +375,44 @@ def llama_server_figures(args) -> dict | None:
     return row
 
 
+def head_to_head(args) -> dict | None:
+    """Our server (the fused decode) and llama-server (one slot, the same GGUF and threads) up at once, idle
+    but for the stream being measured: in each of --turns turns, our one stream, llama-server's one stream, then
+    our 8 streams. The ratios are of the medians of one run's turns, so a drift of the shared VM between two
+    servers' runs (minutes apart in http_figures and llama_server_figures) lands on both sides alike. None where
+    `llama-server` is not on PATH."""
+    import shutil
+    from benchmarks.bench_ttft import server_process, served_model
+    from benchmarks.bench_weights import llama_server
+    from reuse_server.model.fused_decode import ENV
+    from reuse_server.model.loader import bundled_gguf_path
+
+    binary = shutil.which("llama-server")
+    if binary is None:
+        return None
+    os.environ[ENV] = "1"
+    ours_1, ours_8, llama_1 = [], [], []
+    with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
+                        args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, _proc), \
+            llama_server(binary, bundled_gguf_path(), args.threads, 1, 1024) as (llama_url, _llama):
+        model, llama_model = served_model(url), served_model(llama_url)
+        decode_over_http(args, url, model, 1, 4)  # lazy initialisation out of the way
+        decode_over_http(args, llama_url, llama_model, 1, 4)
+        for _ in range(args.turns):
+            ours_1.append(decode_over_http(args, url, model, 1, args.tokens))
+            llama_1.append(decode_over_http(args, llama_url, llama_model, 1, args.tokens))
+            ours_8.append(decode_over_http(args, url, model, 8, args.tokens))
+    median = statistics.median
+    return dict(bench="decode_head_to_head", weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                tokens=args.tokens, turns=args.turns, client=args.client,
+                ours_ms_b1=[round(x, 2) for x in ours_1], llama_ms_b1=[round(x, 2) for x in llama_1],
+                ours_ms_b8=[round(x, 2) for x in ours_8],
+                ours_ms_b1_median=round(median(ours_1), 2), llama_ms_b1_median=round(median(llama_1), 2),
+                ours_ms_b8_median=round(median(ours_8), 2),
+                llama_over_ours_b1=round(median(llama_1) / median(ours_1), 2),
+                b8_over_b1=round(median(ours_8) / median(ours_1), 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -397,6 +435,8 @@ def main() -> None:
     ap.add_argument("--library", action="append", default=[],
                     help="with --products: another build of the kernels to compare in the same run (repeatable)")
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=7,
+                    help="turns of head_to_head: our one stream, llama-server's, our 8 streams; 0 skips it")
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported, and for the server
     from reuse_server.server.openmp import apply_short_spin
@@ -426,6 +466,8 @@ def main() -> None:
                 row.update(http_figures(run, fused))
                 row["http_overhead_ms"] = round(row["http_ms_b1"] - row["step_ms"], 2)
             emit(**row)
+        if not args.no_http and not args.no_llama and args.turns > 0:
+            emit(**(head_to_head(run) or dict(bench="decode_head_to_head", skipped="llama-server not on PATH")))
     if not args.no_http and not args.no_llama:
         emit(**(llama_server_figures(args) or dict(bench="decode_llama_server", skipped="not on PATH")))
 
