@@ -743,7 +743,9 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
             for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
         }
     };
-    kv::share_tasks((int64_t)units.size(), run_threads, merge);
+    // (no unit split: every row is written already, and handing out a job that does nothing costs a round
+    // trip with the helpers, ~30 a decode step)
+    if (num_partials > 0) kv::share_tasks((int64_t)units.size(), run_threads, merge);
     return 0;
 }
 
