@@ -38,7 +38,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 
-from benchmarks.bench_ttft import DOCS, TextSource, conversation, served_model, server_process
+from benchmarks.bench_ttft import DOCS, REPO, TextSource, conversation, served_model, server_process
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 MIB = 1 << 20
@@ -232,14 +232,37 @@ def emit_split(imports: list[dict], maps: dict[str, int], rollup: dict[str, int]
     runtime = by_step[RUNTIME_STEP]
     tokenizer = by_step["tokenizer"] - runtime
     kernels = by_step["native kernels"] - by_step["tokenizer"]
-    rest = idle - runtime - tokenizer - kernels - weights - pool
+    # The steps' RSS holds the libraries' pages as a fresh interpreter has them; the server pages out, after
+    # start-up, those no other process maps (server/library_pages.py): what it holds of them less.
+    paged_out = (on_path_end["rss"] - on_path_end["anon"]) - sum(size for name, size in maps.items()
+                                                                   if name.startswith("libraries: "))
+    rest = idle - runtime - tokenizer - kernels - weights - pool + paged_out
     emit(bench="memory_split", idle_rss=mib(idle), python_and_imports=mib(runtime), tokenizer=mib(tokenizer),
-         native_kernels=mib(kernels), weights=mib(weights), pool=mib(pool), rest=mib(rest),
-         overhead=mib(idle - weights - pool), on_path_imports_rss=mib(on_path_end["rss"]))
+         native_kernels=mib(kernels), weights=mib(weights), pool=mib(pool), library_pages_paged_out=mib(paged_out),
+         rest=mib(rest), overhead=mib(idle - weights - pool), on_path_imports_rss=mib(on_path_end["rss"]))
 
 
 def mib(n: int) -> float:
     return round(n / MIB, 1)
+
+
+def prepare(args) -> dict:
+    """The model's weight and KV block sizes, and the run's conversations: the warm-up's, then each round's."""
+    from transformers import AutoTokenizer
+
+    from reuse_server.model.loader import resolve_model
+
+    folder = resolve_model(args.model, args.weight_dtype)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    source = TextSource(tokenizer)
+    params, stored = checkpoint_weights(folder)
+    element = 4  # the server runs float32 on the CPU (--dtype auto)
+    warm = conversation(tokenizer, source, 64, "Hello?")
+    prompts = [[conversation(tokenizer, source, args.prompt_tokens, f"Request {r}.{i}: summarize the text.")
+                for i in range(args.concurrency)] for r in range(args.rounds)]
+    return dict(parameters=params, stored=stored, per_block=kv_bytes_per_block(config, args.block_size, element),
+                warm=warm, prompts=prompts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,20 +279,23 @@ def main(argv: list[str] | None = None) -> None:
                     help="the server's step budget: the largest batch of activations")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="one more `reuse-server serve` argument, e.g. --serve-arg=--cpu-attention=torch (repeatable)")
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # prepare()'s child interpreter
     args = ap.parse_args(argv)
+    if args.prepare:
+        print(json.dumps(prepare(args)))
+        return
 
-    from transformers import AutoTokenizer
-
-    from reuse_server.model.loader import resolve_model
-
-    folder = resolve_model(args.model, args.weight_dtype)
-    config = json.loads((folder / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    source = TextSource(tokenizer)
-    params, stored = checkpoint_weights(folder)
+    # Everything that needs the model's folder or its tokenizer comes from a child interpreter: they import
+    # torch (transformers, the loader), and while this process maps torch's libraries the server cannot page
+    # them out after start-up (the kernel leaves pages another process maps), which put ~60 MiB of this
+    # driver's doing into the server's idle RSS.
+    prep = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--prepare",
+                                      *(sys.argv[1:] if argv is None else argv)],
+                                     check=True, capture_output=True, text=True, cwd=REPO).stdout)
+    if "torch" in sys.modules:
+        raise SystemExit("bench_memory's driver imported torch: the server's idle RSS would hold its pages")
+    params, stored, per_block = prep["parameters"], prep["stored"], prep["per_block"]
     weights = stored  # the folder holds the weights as the server holds them (fp32: 4 bytes a parameter)
-    element = 4  # the server runs float32 on the CPU (--dtype auto)
-    per_block = kv_bytes_per_block(config, args.block_size, element)
     imports = measure_imports(args.model, args.weight_dtype)
 
     with server_process("--model", args.model, "--weight-dtype", args.weight_dtype,
@@ -283,11 +309,10 @@ def main(argv: list[str] | None = None) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         # one short request touches every weight page (the safetensors file may be memory-mapped) and
         # warms the runtime: RSS then is the idle footprint, and peak - idle is what the load adds
-        stream_chat(client, model, conversation(tokenizer, source, 64, "Hello?"), 2)
+        stream_chat(client, model, prep["warm"], 2)
         idle = psutil.Process(proc.pid).memory_info().rss
         idle_maps, idle_rollup = mapping_groups(proc.pid), smaps_rollup(proc.pid)
-        prompts = [[conversation(tokenizer, source, args.prompt_tokens, f"Request {r}.{i}: summarize the text.")
-                    for i in range(args.concurrency)] for r in range(args.rounds)]
+        prompts = prep["prompts"]
         t0 = time.perf_counter()
         with RssSampler(proc.pid) as sampler, ThreadPoolExecutor(args.concurrency) as pool_threads:
             prompt_tokens = []

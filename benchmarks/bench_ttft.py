@@ -29,7 +29,6 @@ from typing import Iterator
 import httpx
 import openai
 
-from blend.chunking import render_chat_chunks
 from reuse_server.server.launcher import served
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +84,10 @@ class TextSource:
 
 def chat_tokens(tokenizer, messages: list[dict]) -> int:
     """Prompt tokens of `messages` as the server counts them (each chunk tokenized alone)."""
+    # imported here: the blend package imports torch, and a driver that maps torch's libraries keeps them
+    # resident in the server it measures (bench_memory: the server pages out what only it maps)
+    from blend.chunking import render_chat_chunks
+
     return sum(len(c.tokens) for c in render_chat_chunks(tokenizer, messages))
 
 
