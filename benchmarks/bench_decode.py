@@ -43,8 +43,11 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import time
 from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
 
 MIB = 1 << 20
 
@@ -320,7 +323,10 @@ def decode_over_http(args, url: str, model: str, streams: int, tokens: int, cpu:
     return bench_weights.decode_lean(url, model, streams, tokens, cpu)
 
 
-def http_figures(args, fused: bool) -> dict:
+@contextmanager
+def our_server(args, fused: bool) -> Iterator[tuple[str, str, subprocess.Popen]]:
+    """(URL, model name, process) of our server on the bundled model with the run's weights and activations,
+    the fused decode on or off, warmed by one short stream (lazy initialisation out of the way)."""
     from benchmarks.bench_ttft import server_process, served_model
     from reuse_server.model.fused_decode import ENV
 
@@ -328,7 +334,12 @@ def http_figures(args, fused: bool) -> dict:
     with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
                         args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, proc):
         model = served_model(url)
-        decode_over_http(args, url, model, 1, 4)  # lazy initialisation out of the way
+        decode_over_http(args, url, model, 1, 4)
+        yield url, model, proc
+
+
+def http_figures(args, fused: bool) -> dict:
+    with our_server(args, fused) as (url, model, proc):
         one = min((served_cpu(args, url, model, proc.pid, 1) for _ in range(args.repeats)), key=lambda r: r[0])
         eight = served_cpu(args, url, model, proc.pid, 8)
     row = dict(http_ms_b1=round(one[0], 2), http_ms_b8=round(eight[0], 2), client=args.client)
@@ -382,21 +393,17 @@ def head_to_head(args) -> dict | None:
     servers' runs (minutes apart in http_figures and llama_server_figures) lands on both sides alike. None where
     `llama-server` is not on PATH."""
     import shutil
-    from benchmarks.bench_ttft import server_process, served_model
+    from benchmarks.bench_ttft import served_model
     from benchmarks.bench_weights import llama_server
-    from reuse_server.model.fused_decode import ENV
     from reuse_server.model.loader import bundled_gguf_path
 
     binary = shutil.which("llama-server")
     if binary is None:
         return None
-    os.environ[ENV] = "1"
     ours_1, ours_8, llama_1 = [], [], []
-    with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
-                        args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, _proc), \
+    with our_server(args, fused=True) as (url, model, _proc), \
             llama_server(binary, bundled_gguf_path(), args.threads, 1, 1024) as (llama_url, _llama):
-        model, llama_model = served_model(url), served_model(llama_url)
-        decode_over_http(args, url, model, 1, 4)  # lazy initialisation out of the way
+        llama_model = served_model(llama_url)
         decode_over_http(args, llama_url, llama_model, 1, 4)
         for _ in range(args.turns):
             ours_1.append(decode_over_http(args, url, model, 1, args.tokens))
