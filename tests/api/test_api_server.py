@@ -1,5 +1,6 @@
 """The real server in a subprocess (tiny random checkpoint, loopback port), driven by the official openai
-client and raw httpx: responses, streaming, cache reporting, errors, metrics and client disconnects."""
+client and raw httpx: responses, streaming, cache reporting, errors and metrics. Client disconnects are in
+test_disconnects.py."""
 import json
 import uuid
 
@@ -171,25 +172,6 @@ def test_several_choices_stream_interleaved(client):
         assert [p.finish_reason for p in parts if p.finish_reason] == ["length"] and parts[-1].finish_reason
         assert "".join(p.delta.content or "" for p in parts) == full.choices[i].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
-
-
-def test_stream_disconnect_aborts_every_choice(server):
-    before = wait_idle(server)
-    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 900, "ignore_eos": True, "stream": True,
-            "n": 2}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            seen = set()
-            while seen != {0, 1}:  # both choices are generating
-                line = next(lines)
-                if line.startswith("data: "):
-                    seen.update(c["index"] for c in json.loads(line[len("data: "):])["choices"])
-            assert metric(scrape(server), "kvreuse_requests_running") == 2
-    after = wait_idle(server)
-    assert metric(after, "kvreuse_kv_blocks", state="in_use") == 0 and metric(after, "kvreuse_requests_running") == 0
-    assert _aborted(after) - _aborted(before) == 2
 
 
 def test_logit_bias_and_penalties_steer_generation(client, tokenizer):
@@ -431,40 +413,3 @@ def test_errors_touch_no_kv_block(server, metrics_before_errors):
     for name in ("kvreuse_prompt_tokens_total", "kvreuse_generation_tokens_total",
                  "kvreuse_e2e_request_latency_seconds_count"):
         assert metric(after, name) == metric(metrics_before_errors, name), name
-
-
-# ---------------------------------------------------------------- disconnects
-
-
-def _aborted(samples: dict) -> float:
-    return metric(samples, "kvreuse_requests_total", finish_reason="abort")
-
-
-def test_stream_disconnect_aborts_request(server):
-    before = wait_idle(server)
-    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()  # one iterator, kept alive: closing it would already close the connection
-            data = [line for line in (next(lines) for _ in range(3)) if line.startswith("data: ")]
-            assert len(data) == 2 and json.loads(data[1][len("data: "):])["choices"][0]["finish_reason"] is None
-            during = scrape(server)
-            assert metric(during, "kvreuse_requests_running") == 1
-            assert metric(during, "kvreuse_kv_blocks", state="in_use") > 0
-    # leaving the block closes the connection mid-stream
-    after = wait_idle(server)
-    assert metric(after, "kvreuse_kv_blocks", state="in_use") == 0 and metric(after, "kvreuse_requests_running") == 0
-    assert _aborted(after) - _aborted(before) == 1
-    assert metric(after, "kvreuse_generation_tokens_total") - metric(before, "kvreuse_generation_tokens_total") < 900
-
-
-def test_non_stream_disconnect_aborts_request(server):
-    before = wait_idle(server)
-    body = {"model": MODEL, "prompt": unique_text(20), "max_tokens": 900, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
-    after = wait_idle(server)
-    assert metric(after, "kvreuse_kv_blocks", state="in_use") == 0 and metric(after, "kvreuse_requests_running") == 0
-    assert _aborted(after) - _aborted(before) == 1
-    assert metric(after, "kvreuse_generation_tokens_total") - metric(before, "kvreuse_generation_tokens_total") < 900
