@@ -166,11 +166,18 @@ def test_a_replica_killed_mid_run_costs_no_request_the_router_can_retry(tiny_lla
             assert r.status_code == 200, (i, r.status_code, r.text)
             return r.json()
 
+        deadline = time.monotonic() + 60  # a busy machine can fail a health check; the run needs both replicas
+        while not all(w["is_healthy"] for w in httpx.get(router + "/workers").json()["workers"]):
+            assert time.monotonic() < deadline, httpx.get(router + "/workers").json()
+            time.sleep(0.2)
+        admitted_before = metric(scrape(replicas[1]), "kvreuse_prompt_tokens_total")
         with ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(ask, i) for i in range(24)]
             deadline = time.monotonic() + 240
-            while metric(scrape(replicas[1]), "kvreuse_requests_running") < 1:  # the router sends it some
-                assert time.monotonic() < deadline, "the router sent replica 1 nothing"
+            # the router has sent it some: a counter, since a request of 64 tokens can run between two polls
+            while metric(scrape(replicas[1]), "kvreuse_prompt_tokens_total") == admitted_before:
+                assert time.monotonic() < deadline and not all(f.done() for f in futures), \
+                    "the router sent replica 1 nothing"
                 time.sleep(0.02)
             unanswered_at_kill = sum(not f.done() for f in futures)
             reps[1].process.kill()  # mid-run: requests are in flight on it and more are coming
