@@ -50,7 +50,7 @@ def test_shutdown_before_start_ends_the_engine_thread(tiny_llama_path):
 
 
 def _config(path, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(path), block_size=4, num_gpu_blocks=512, **overrides)
+    return EngineConfig(model=str(path), **{"block_size": 4, "num_gpu_blocks": 512, **overrides})
 
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
@@ -110,12 +110,13 @@ def test_the_waiting_queue_is_bounded_at_admission(tiny_llama_path):
 
 
 def test_a_deadline_aborts_the_request_and_frees_its_blocks(tiny_llama_path):
-    engine = AsyncEngine.launch(_config(tiny_llama_path))
+    # 4,000 tokens are seconds of the tiny model, far past the deadline (1,000 were ~0.4 s, too close to 0.3)
+    engine = AsyncEngine.launch(_config(tiny_llama_path, num_gpu_blocks=1040))
 
     async def run():
         await engine.start()
         loop = asyncio.get_running_loop()
-        stream = engine.generate("slow", list(range(3, 30)), SamplingParams(max_tokens=1000, ignore_eos=True),
+        stream = engine.generate("slow", list(range(3, 30)), SamplingParams(max_tokens=4000, ignore_eos=True),
                                  deadline=loop.time() + 0.3)
         outputs = []
         with pytest.raises(RequestTimedOut):

@@ -40,7 +40,7 @@ def _stream_then_sigterm(url: str, proc, max_tokens: int) -> tuple[list[dict], f
     return [json.loads(e) for e in events[:-1]], time.monotonic() - signalled
 
 
-@pytest.mark.parametrize("shutdown_timeout, max_tokens, finishes", [(30, 1500, True), (1, 3000, False)],
+@pytest.mark.parametrize("shutdown_timeout, max_tokens, finishes", [(30, 1500, True), (1, 4000, False)],
                          ids=["stream-finishes", "stream-aborted-at-deadline"])
 def test_sigterm_drains_then_exits_0(tiny_llama_path, tmp_path, shutdown_timeout, max_tokens, finishes):
     log = tmp_path / "server.log"
