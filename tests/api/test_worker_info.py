@@ -13,7 +13,7 @@ from server_process import running_server
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
 BS = 4
-BLOCKS = 256
+BLOCKS = 1040  # room for a 4,000-token decode: seconds of the tiny model, never over before the test hangs up
 
 
 def wait_for(url: str, ok, timeout: float = 60.0) -> list[dict]:
@@ -63,7 +63,7 @@ def test_load_counts_running_and_waiting_requests_and_their_tokens(url):
     hang_up = threading.Event()
     # the first request could decode nearly the whole pool; it runs until this test hangs up on it, so the
     # second one waits however slowly a busy machine runs either thread
-    first = threading.Thread(target=stream, args=(url, "the quick brown fox " * 6, 900, done, hang_up))
+    first = threading.Thread(target=stream, args=(url, "the quick brown fox " * 6, 4000, done, hang_up))
     first.start()
     busy = wait_for(url, lambda load: load["num_reqs"] == 1 and load["kv_blocks_in_use"] > 0)[0]
     assert busy["num_waiting_reqs"] == 0 and busy["num_tokens"] == busy["kv_blocks_in_use"] * BS
