@@ -2,8 +2,8 @@
 next write fails) and not streamed (the handler polls the connection). The real server in a subprocess on the
 tiny random checkpoint.
 
-The requests ask for 4,000 tokens so that each is still generating when its client leaves, however fast the
-machine: the tiny model makes 900 tokens in ~0.6 s, which a 0.5 s client timeout used to race."""
+The requests ask for 4,000 tokens (~3 s of the tiny model here) so that each is still generating when its
+client leaves: 900 tokens took ~0.6 s, which a 0.5 s client timeout and the 0.2 s disconnect poll raced."""
 import json
 import socket
 import time
