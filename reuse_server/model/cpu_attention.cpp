@@ -104,7 +104,7 @@ inline v16 widen(const Fp8* p) {
 constexpr int CHUNK = 64;              // keys per online-softmax step
 constexpr int MAX_ROWS = 64;           // query rows per unit (4 vectors)
 constexpr int PAD_ROWS = MAX_ROWS + 24;  // the PV tiles may run past the last row
-constexpr int MAX_HEAD_DIM = 128;
+constexpr int MAX_HEAD_DIM = 256;
 constexpr int64_t MIN_SPLIT_KEYS = 512;
 // Query rows x keys below which one thread runs a call: 8 decode streams 100 keys in (7,200) read 37 MB of K/V a
 // step, and two threads took them from 4.9 to 3.0 ms over SmolLM2's 30 layers; one stream there (900) stays serial.
@@ -304,7 +304,7 @@ inline float lanes_max(v16 v) {
 template <int HV, typename T>
 void value_rows(const T* const* vrow, const float* vscale, int keys, const float* p, int rows, float* o, int hd,
                 Ahead<T>& ahead) {
-    constexpr int TILE = HV >= 8 ? 3 : 6;
+    constexpr int TILE = HV >= 16 ? 1 : HV >= 8 ? 3 : 6;
     for (int i0 = 0; i0 < rows; i0 += TILE) {
         const float* pi = p + i0 * CHUNK;
         float* oi = o + i0 * hd;
@@ -605,7 +605,8 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
                 case 1: value_rows<1>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
                 case 2: value_rows<2>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
                 case 4: value_rows<4>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
-                default: value_rows<8>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
+                case 8: value_rows<8>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
+                default: value_rows<16>(vrow, vscale, keys, sc, (int)u.rows, o, hd, ahead); break;
             }
             ahead.rest();
 #endif
@@ -614,7 +615,8 @@ void run_task(const Problem& pb, const Unit& u, int64_t key_begin, int64_t key_e
                 case 1: value_chunk<1>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
                 case 2: value_chunk<2>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
                 case 4: value_chunk<4>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
-                default: value_chunk<8>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+                case 8: value_chunk<8>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
+                default: value_chunk<16>(vrow, vscale, keys, st, (int)u.rows, o, hd); break;
             }
         }
     }
@@ -632,7 +634,7 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
     const int64_t* seq_info = pb.seq_info;
     const int64_t* positions = pb.positions;
     const int64_t hv = head_dim / LANES;
-    if (head_dim % LANES || !(hv == 1 || hv == 2 || hv == 4 || hv == 8) || kv_heads < 1 || heads % kv_heads ||
+    if (head_dim % LANES || !(hv == 1 || hv == 2 || hv == 4 || hv == 8 || hv == 16) || kv_heads < 1 || heads % kv_heads ||
         pb.block_size < 1 || num_threads < 1)
         return -1;
     if (Format<T>::scaled && (pb.k_scales == nullptr || pb.v_scales == nullptr)) return -1;

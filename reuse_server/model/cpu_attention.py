@@ -41,8 +41,8 @@ class CpuAttentionKernel:
 
     @staticmethod
     def takes_pool(pool) -> bool:
-        """A pool on the CPU stored in fp32, fp16, bf16, fp8 e4m3 or int8, head_dim 16, 32, 64 or 128."""
-        return pool.dtype in FORMATS and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128)
+        """A pool on the CPU stored in fp32, fp16, bf16, fp8 e4m3 or int8, head_dim 16, 32, 64, 128 or 256."""
+        return pool.dtype in FORMATS and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128, 256)
 
     def __call__(self, q: torch.Tensor, plan: "KernelPlan", pool, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:

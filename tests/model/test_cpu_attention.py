@@ -82,7 +82,7 @@ def last(n, ctx):
     return list(range(ctx - n, ctx))
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2), (6, 1)])
 def test_warm_tail_over_a_long_context(kernel, heads, kv_heads, head_dim):
     """A few new tokens after 2,000 cached ones: the keys are split over several tasks and merged."""
@@ -132,7 +132,7 @@ def test_reads_queries_through_a_strided_view(kernel):
 def test_every_kv_dtype(kernel, dtype):
     """fp16/bf16 widened, fp8 and int8 with their scales (per block / per token): a warm tail split over
     tasks, a decode batch, a causal prefill, a sliding window, over every head width."""
-    for head_dim in (16, 32, 64, 128):
+    for head_dim in (16, 32, 64, 128, 256):
         run_case(kernel, [(None, 1100, last(9, 1100))], 9, 3, head_dim, 16, dtype=dtype)
     run_case(kernel, [(None, n, [n - 1]) for n in (1, 7, 300, 65)], 8, 2, 64, 4, dtype=dtype)
     run_case(kernel, [(None, 200, list(range(200))), (None, 90, list(range(40, 90)))], 4, 4, 32, 16, window=50,
@@ -141,7 +141,7 @@ def test_every_kv_dtype(kernel, dtype):
 
 @pytest.mark.parametrize("dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("window", [None, 40, 300])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 4, 16), (4, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 1, 32), (4, 4, 16), (4, 1, 64), (4, 1, 256)])
 def test_a_token_decoded_alone_has_the_bits_it_has_among_a_prefills_rows(kernel, dtype, window, heads, kv_heads,
                                                                          head_dim):
     """A decode unit (one token's query heads of a KV head) runs keys as vector lanes, a prefill's 64 rows run
@@ -202,7 +202,7 @@ def test_attention_on_each_kv_dtype_is_close_to_fp32(kernel, dtype):
 def test_random_batches(kernel, data):
     kv_heads = data.draw(st.sampled_from([1, 2, 3]))
     heads = kv_heads * data.draw(st.sampled_from([1, 2, 3, 5]))
-    head_dim = data.draw(st.sampled_from([16, 32, 64, 128]))
+    head_dim = data.draw(st.sampled_from([16, 32, 64, 128, 256]))
     block_size = data.draw(st.sampled_from([1, 2, 8, 16]))
     window = data.draw(st.sampled_from([None, None, 3, 50]))
     seqs = []
