@@ -3,7 +3,7 @@
 // kernels that path calls (cpu_kernels.h), in its order, on the same values, so the hidden states, the pool's
 // K/V and the logits are that path's bit for bit; fused_decode.py decides which steps it takes.
 //
-// Per layer: input RMSNorm, the packed q/k/v product, RoPE on q and k, the K/V store into the pool at the
+// Per layer: input RMSNorm, the packed q/k/v product, the q/k norms where the model has them (Qwen3), RoPE on q and k, the K/V store into the pool at the
 // step's slots, paged attention over the block tables, o_proj, the residual; post-attention RMSNorm, the
 // packed gate/up product, SiLU gating, the down product, the residual. Each kernel shares its own work over
 // the threads (cpu_tasks.h) as it does when called alone; the glue between them is a few KiB a step.
@@ -36,6 +36,8 @@ struct Layer {
     const float* post_norm;
     Linear qkv, o, gate_up, down;
     int64_t window;  // 0: the whole context
+    const float* q_norm;  // Qwen3's RMSNorms over each query and key head before RoPE; null: none
+    const float* k_norm;
 };
 
 // The model's shapes and weights, and one step's scratch (each buffer sized for the most rows a step takes).
@@ -151,6 +153,14 @@ int attention_block(const Decoder& d, const Pool& pool, int64_t layer, const Ste
     kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, w.input_norm, d.eps, d.normed, threads);
     if (linear(w.qkv, d.normed, rows, d.qkv, threads)) return -1;
     const int64_t qkv_stride = (d.heads + 2 * d.kv_heads) * d.head_dim;
+    if (w.q_norm != nullptr) {  // in place, a head a row: each row's sum of squares is taken before it is written
+        for (int64_t t = 0; t < rows; ++t) {
+            float* q = d.qkv + t * qkv_stride;
+            float* k = q + d.heads * d.head_dim;
+            kv_rms_norm_f32(q, d.heads, d.head_dim, d.head_dim, w.q_norm, d.eps, q, threads);
+            kv_rms_norm_f32(k, d.kv_heads, d.head_dim, d.head_dim, w.k_norm, d.eps, k, threads);
+        }
+    }
     if (kv_rope_f32(d.qkv, rows, d.heads + d.kv_heads, d.head_dim, qkv_stride, d.cos, d.sin, d.qk)) return -1;
     if (store_kv(d, pool, layer, step, threads)) return -1;  // before attending: each token sees its own K/V
     if (attend(d, pool, layer, step, threads)) return -1;

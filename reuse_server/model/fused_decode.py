@@ -6,7 +6,8 @@ logits and the pool's K/V are that path's bit for bit. It takes a forward whose 
 (one query token per sequence, at most MAX_ROWS) that every layer keeps, over a pool it writes as
 KVPool.write does; any other step runs the per-op path, where the model's arithmetic is written once. It
 serves a Llama-style model packed for the CPU (LlamaModel.pack_for_cpu) whose products are all native
-(fp32 panels or quantized codes), without q/k norms, Gemma's extra norms and GeGLU, or a second RoPE base.
+(fp32 panels or quantized codes), with or without q/k norms (Qwen3), without Gemma's extra norms and GeGLU or a
+second RoPE base.
 KV_REUSE_FUSED_DECODE=0 turns it off."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("window", _I)]
+                ("down", _Linear), ("window", _I), ("q_norm", _P), ("k_norm", _P)]
 
 
 SCRATCH = ("cos", "sin", "normed", "qkv", "qk", "kv", "attn", "proj", "gate_up", "act")
@@ -87,7 +88,8 @@ class FusedDecode:
         # What owns the memory behind the pointers, held so that replacing a module or a parameter later cannot
         # free it.
         self._held = [(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                       layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                       layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                       *[norm.weight.data for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm) if norm])
                       for layer in model.layers] + [model.norm.weight.data]
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
@@ -104,7 +106,7 @@ class FusedDecode:
     def build(cls, model) -> "FusedDecode | None":
         """For a model packed for the CPU (pack_for_cpu) whose every layer it can run; None otherwise."""
         config = model.config
-        if (native.load() is None or model.backend.ops is None or config.qk_norm or config.sandwich_norms
+        if (native.load() is None or model.backend.ops is None or config.sandwich_norms
                 or model.local_rotary is not None or not _rope_runs(model.backend.ops, config.head_dim)
                 or not _fp32_vector(model.norm.weight)):
             return None
@@ -191,14 +193,16 @@ def _layer(layer, config) -> _Layer | None:
     attn, mlp = layer.self_attn, layer.mlp
     hidden, heads, kv_heads = config.hidden_size, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if mlp.gelu or not all(_fp32_vector(w) for w in norms):
+    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ()
+    if mlp.gelu or not all(_fp32_vector(w) for w in norms + qk_norms):
         return None
     products = (_product(attn.qkv_proj, hidden, heads + 2 * kv_heads), _product(attn.o_proj, heads, hidden),
                 _product(mlp.gate_up_proj, hidden, 2 * config.intermediate_size),
                 _product(mlp.down_proj, config.intermediate_size, hidden))
     if any(p is None for p in products):
         return None
-    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0)
+    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0,
+                  *([w.data_ptr() for w in qk_norms] if qk_norms else [None, None]))
 
 
 def _product(module, in_features: int, out_features: int) -> _Linear | None:
