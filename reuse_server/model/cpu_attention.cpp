@@ -634,8 +634,8 @@ int attend(const Problem& pb, int64_t num_seqs, int64_t num_threads) {
     const int64_t* seq_info = pb.seq_info;
     const int64_t* positions = pb.positions;
     const int64_t hv = head_dim / LANES;
-    if (head_dim % LANES || !(hv == 1 || hv == 2 || hv == 4 || hv == 8 || hv == 16) || kv_heads < 1 || heads % kv_heads ||
-        pb.block_size < 1 || num_threads < 1)
+    const bool vectors_taken = hv == 1 || hv == 2 || hv == 4 || hv == 8 || hv == 16;  // head_dim 16 .. 256
+    if (head_dim % LANES || !vectors_taken || kv_heads < 1 || heads % kv_heads || pb.block_size < 1 || num_threads < 1)
         return -1;
     if (Format<T>::scaled && (pb.k_scales == nullptr || pb.v_scales == nullptr)) return -1;
     const int64_t group = heads / kv_heads;

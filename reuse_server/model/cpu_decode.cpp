@@ -3,10 +3,11 @@
 // kernels that path calls (cpu_kernels.h), in its order, on the same values, so the hidden states, the pool's
 // K/V and the logits are that path's bit for bit; fused_decode.py decides which steps it takes.
 //
-// Per layer: input RMSNorm, the packed q/k/v product, the q/k norms where the model has them (Qwen3), RoPE on q and k, the K/V store into the pool at the
-// step's slots, paged attention over the block tables, o_proj, the residual; post-attention RMSNorm, the
-// packed gate/up product, SiLU gating, the down product, the residual. Each kernel shares its own work over
-// the threads (cpu_tasks.h) as it does when called alone; the glue between them is a few KiB a step.
+// Per layer: input RMSNorm, the packed q/k/v product, the q/k norms where the model has them (Qwen3), RoPE on
+// q and k, the K/V store into the pool at the step's slots, paged attention over the block tables, o_proj, the
+// residual; post-attention RMSNorm, the packed gate/up product, SiLU gating, the down product, the residual.
+// Each kernel shares its own work over the threads (cpu_tasks.h) as it does when called alone; the glue between
+// them is a few KiB a step.
 #include <cstdint>
 #include <cstring>
 

@@ -89,7 +89,8 @@ class FusedDecode:
         # free it.
         self._held = [(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
                        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                       *[norm.weight.data for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm) if norm])
+                       *[norm.weight.data for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+                         if norm is not None])
                       for layer in model.layers] + [model.norm.weight.data]
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
@@ -201,8 +202,8 @@ def _layer(layer, config) -> _Layer | None:
                 _product(mlp.down_proj, config.intermediate_size, hidden))
     if any(p is None for p in products):
         return None
-    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0,
-                  *([w.data_ptr() for w in qk_norms] if qk_norms else [None, None]))
+    qk_pointers = [w.data_ptr() for w in qk_norms] or [None, None]  # null: no q/k norms
+    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0, *qk_pointers)
 
 
 def _product(module, in_features: int, out_features: int) -> _Linear | None:
