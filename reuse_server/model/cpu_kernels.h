@@ -10,6 +10,7 @@ extern "C" {
 void kv_rms_norm_f32(const float* x, int64_t rows, int64_t cols, int64_t ldx, const float* weight, float eps,
                      float* out, int64_t num_threads);
 void kv_silu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads);
+void kv_gelu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads);
 int kv_rope_f32(const float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t ldx, const float* cos,
                 const float* sin, float* out);
 void kv_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t ldx, int64_t* out);

@@ -146,8 +146,8 @@ class MLP(nn.Module):
         """Gate and up projections as one native product of their stacked weights, gated by one native pass
         (the native kernel's panels make the stacked product cost what the two did; oneDNN's stacked product ran
         a cold prefill's rows slower, so it keeps two). Returns how many linear layers it replaced."""
-        if self.gelu or not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
-            return 0  # the native gating is SiLU's
+        if not (isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear)):
+            return 0
         if self.backend.ops is None or packer(self.gate_proj.weight, "native") is not NativeLinear:
             return 0
         self.gate_up_proj = NativeLinear.stacked([self.gate_proj, self.up_proj])
@@ -163,14 +163,17 @@ class MLP(nn.Module):
         return out
 
     def _rows(self, x):
-        if self.gate_up_proj is not None and self.gelu:  # stacked (quant_linear packs int weights so)
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.gate_up_proj is not None:  # a native product: its output is what silu_mul takes
-            return self.down_proj(self.backend.ops.silu_mul(self.gate_up_proj(x)))
-        gate = self.gate_proj(x)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        if self.gate_up_proj is not None:  # stacked: natively packed, or int weights (quant_linear packs them so)
+            gate_up = self.gate_up_proj(x)
+            ops = self.backend.ops
+            if ops is not None and ops.takes(gate_up) and gate_up.is_contiguous():  # one native gating pass
+                return self.down_proj(ops.gelu_mul(gate_up) if self.gelu else ops.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(self._act(gate) * up)
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+
+    def _act(self, gate):
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
 
 class DecoderLayer(nn.Module):

@@ -44,12 +44,13 @@ SIGNATURES = {
     "kv_linear_f32": ([_P, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "kv_rms_norm_f32": ([_P, _I, _I, _I, _P, _F, _P, _I], None),
     "kv_silu_mul_f32": ([_P, _I, _I, _P, _I], None),
+    "kv_gelu_mul_f32": ([_P, _I, _I, _P, _I], None),
     "kv_rope_f32": ([_P, _I, _I, _I, _I, _P, _P, _P], ctypes.c_int),
     "kv_argmax_f32": ([_P, _I, _I, _I, _P], None),
     "kv_copy_blocks": ([_P, _I, _P, _P, _I, _I, _I, _I, _I], None),
     "kv_quant_linear_f32": ([_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _P, _I], ctypes.c_int),
     "kv_quant_rows": ([_I, _P, _P, _P, _I, _I, _I, _P, _I, _P], ctypes.c_int),
-    "kv_decode_layers": ([_P, _P, _P, _P, _I], ctypes.c_int),
+    "kv_decode_layers": ([_P, _P, _P, _P, _I, _P, _I], ctypes.c_int),
 }
 
 

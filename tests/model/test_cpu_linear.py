@@ -134,6 +134,24 @@ def test_native_norm_and_gating_equal_torch(rows):
     assert torch.allclose(ops.silu_mul(gate_up).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_native_gelu_gating_equals_torch(rows):
+    """GELU(gate) * up with the tanh approximation (Gemma's GeGLU) through the native op against torch's, in fp64:
+    random values, a partial vector at the end, and the ends where tanh saturates or the cube overflows."""
+    from reuse_server.model import cpu_ops
+
+    ops = cpu_ops.load()
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 130, generator=gen) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 1e13, -1e13])
+    gate, up = gate_up.double().chunk(2, -1)
+    ref = F.gelu(gate, approximate="tanh") * up
+    assert torch.allclose(ops.gelu_mul(gate_up).double(), ref, rtol=1e-5, atol=1e-5)
+    special = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0, 1.0, 1.0]])  # gates, then ups
+    assert torch.equal(ops.gelu_mul(special).isnan(), torch.tensor([[False, True, True]]))  # as torch: -inf * 0
+    assert ops.gelu_mul(special)[0, 0] == F.gelu(special[0, :1], approximate="tanh")[0] == float("inf")
+
+
 @pytest.mark.parametrize("tokens", [1, 9, 130])
 def test_native_rope_is_torch_bit_for_bit(tokens):
     """RoPE through the native op (what the forward runs on the CPU) gives apply_rotary's values exactly, on the
