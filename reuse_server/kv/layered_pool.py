@@ -129,6 +129,10 @@ class LayeredKVPool:
         bs = self.block_size
         return table[torch.div(slots, bs, rounding_mode="floor")] * bs + slots % bs
 
+    def place(self, layer: int) -> tuple[KVPool, int]:
+        """(the pool that holds `layer`, its index there)."""
+        return self._where[layer]
+
     def route(self, layer: int, meta):
         """(pool, its index for `layer`, `meta` with that pool's block ids and slots)."""
         pool, index = self._where[layer]

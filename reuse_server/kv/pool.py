@@ -112,6 +112,10 @@ class KVPool:
 
     layered = False
 
+    def place(self, layer: int) -> tuple["KVPool", int]:
+        """(the pool that holds `layer`, its index there): this pool, for every layer."""
+        return self, layer
+
     def route(self, layer: int, meta):
         """(pool, its index for `layer`, `meta` in that pool's block ids): this pool holds every layer
         (LayeredKVPool splits a hybrid model's)."""

@@ -3,9 +3,13 @@
 // kernels that path calls (cpu_kernels.h), in its order, on the same values, so the hidden states, the pool's
 // K/V and the logits are that path's bit for bit; fused_decode.py decides which steps it takes.
 //
-// Per layer: input RMSNorm, the packed q/k/v product, the q/k norms where the model has them (Qwen3), RoPE on
-// q and k, the K/V store into the pool at the step's slots, paged attention over the block tables, o_proj, the
-// residual; post-attention RMSNorm, the packed gate/up product, SiLU gating, the down product, the residual.
+// Per layer: input RMSNorm, the packed q/k/v product, the q/k norms where the model has them (Qwen3, Gemma 3),
+// RoPE on q and k (with the layer's base: Gemma 3's sliding layers have one of their own), the K/V store into
+// the layer's pool at the step's slots, paged attention over the block tables, o_proj, the residual;
+// post-attention RMSNorm, the packed gate/up product, SiLU or GELU gating, the down product, the residual.
+// Gemma's sandwich norms: the attention's and the MLP's outputs are normed before their residuals, and the MLP's
+// input has a norm of its own. A hybrid model's layers live in two pools (LayeredKVPool: full attention and
+// sliding window), each with the step's slots and block tables in its own block ids.
 // Each kernel shares its own work over the threads (cpu_tasks.h) as it does when called alone; the glue between
 // them is a few KiB a step.
 #include <cstdint>
@@ -34,25 +38,32 @@ struct Linear {
 
 struct Layer {
     const float* input_norm;
-    const float* post_norm;
+    const float* post_norm;  // Llama: the MLP's input norm; Gemma: the attention output's
     Linear qkv, o, gate_up, down;
     int64_t window;  // 0: the whole context
-    const float* q_norm;  // Qwen3's RMSNorms over each query and key head before RoPE; null: none
+    const float* q_norm;  // the RMSNorms over each query and key head before RoPE (Qwen3, Gemma 3); null: none
     const float* k_norm;
+    const float* pre_ff_norm;  // Gemma: the MLP's input norm and its output's; null: none (Llama's order)
+    const float* post_ff_norm;
+    int64_t rope;  // which RoPE table: 0, the model's; 1, its sliding layers' (Gemma 3)
 };
 
 // The model's shapes and weights, and one step's scratch (each buffer sized for the most rows a step takes).
 struct Decoder {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t gelu;  // the MLP's gating: GELU (tanh) if set, else SiLU
     float eps, scale;
     const Layer* layers;
     const float* final_norm;
     // RoPE's cos and sin of positions 0 .. table_positions - 1, [position][head_dim] (RotaryEmbedding.table):
     // the rows of the step's positions are copied out of them, the values torch computes for those positions.
+    // A second pair for Gemma 3's sliding layers (null: none).
     const float* cos_table;
     const float* sin_table;
+    const float* local_cos_table;
+    const float* local_sin_table;
     int64_t table_positions;
-    float* cos;      // [rows][head_dim]
+    float* cos;      // [2][rows][head_dim]: the step's rows of each table
     float* sin;
     float* normed;   // [rows][hidden]
     float* qkv;      // [rows][(heads + 2 kv_heads) head_dim]
@@ -72,7 +83,8 @@ struct Pool {
     int64_t format, layer_bytes, plane_bytes, scale_layer, scale_plane, block_size, num_slots;
 };
 
-// What changes every step: one query token per sequence, the attention kernel's plan (cpu_attention.KernelPlan).
+// What changes every step, per pool: one query token per sequence (its slot in that pool's ids), the attention
+// kernel's plan (cpu_attention.KernelPlan).
 struct Step {
     int64_t rows;
     const int64_t* slots;
@@ -132,10 +144,10 @@ int store_kv(const Decoder& d, const Pool& pool, int64_t layer, const Step& step
     return -1;
 }
 
-int attend(const Decoder& d, const Pool& pool, int64_t layer, const Step& step, int64_t threads) {
+int attend(const Decoder& d, const Pool& pool, int64_t layer, int64_t window, const Step& step, int64_t threads) {
     const uint8_t* k = pool.data + layer * pool.layer_bytes;
     const uint8_t* v = k + pool.plane_bytes;
-    const int64_t q_stride = (d.heads + d.kv_heads) * d.head_dim, window = d.layers[layer].window;
+    const int64_t q_stride = (d.heads + d.kv_heads) * d.head_dim;
     if (pool.format == POOL_FP32)
         return kv_paged_attention_f32(d.qk, q_stride, d.attn, reinterpret_cast<const float*>(k),
                                       reinterpret_cast<const float*>(v), step.num_seqs, step.seq_info,
@@ -147,10 +159,13 @@ int attend(const Decoder& d, const Pool& pool, int64_t layer, const Step& step, 
                               d.kv_heads, d.head_dim, pool.block_size, window, d.scale, threads);
 }
 
-int attention_block(const Decoder& d, const Pool& pool, int64_t layer, const Step& step, float* hidden,
-                    int64_t threads) {
+// Where each layer's K/V lives: routes[2 l] is the pool (0 or 1) and routes[2 l + 1] the layer's index there.
+int attention_block(const Decoder& d, const Pool* pools, const Step* steps, const int64_t* routes, int64_t layer,
+                    float* hidden, int64_t threads) {
     const Layer& w = d.layers[layer];
-    const int64_t rows = step.rows;
+    const Pool& pool = pools[routes[2 * layer]];
+    const Step& step = steps[routes[2 * layer]];
+    const int64_t index = routes[2 * layer + 1], rows = step.rows;
     kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, w.input_norm, d.eps, d.normed, threads);
     if (linear(w.qkv, d.normed, rows, d.qkv, threads)) return -1;
     const int64_t qkv_stride = (d.heads + 2 * d.kv_heads) * d.head_dim;
@@ -162,43 +177,67 @@ int attention_block(const Decoder& d, const Pool& pool, int64_t layer, const Ste
             kv_rms_norm_f32(k, d.kv_heads, d.head_dim, d.head_dim, w.k_norm, d.eps, k, threads);
         }
     }
-    if (kv_rope_f32(d.qkv, rows, d.heads + d.kv_heads, d.head_dim, qkv_stride, d.cos, d.sin, d.qk)) return -1;
-    if (store_kv(d, pool, layer, step, threads)) return -1;  // before attending: each token sees its own K/V
-    if (attend(d, pool, layer, step, threads)) return -1;
+    const int64_t table = w.rope * rows * d.head_dim;
+    if (kv_rope_f32(d.qkv, rows, d.heads + d.kv_heads, d.head_dim, qkv_stride, d.cos + table, d.sin + table, d.qk))
+        return -1;
+    if (store_kv(d, pool, index, step, threads)) return -1;  // before attending: each token sees its own K/V
+    if (attend(d, pool, index, w.window, step, threads)) return -1;
     if (linear(w.o, d.attn, rows, d.proj, threads)) return -1;
-    add_residual(hidden, d.proj, rows * d.hidden);
+    if (w.pre_ff_norm != nullptr) {  // Gemma: the output normed before the residual
+        kv_rms_norm_f32(d.proj, rows, d.hidden, d.hidden, w.post_norm, d.eps, d.normed, threads);
+        add_residual(hidden, d.normed, rows * d.hidden);
+    } else {
+        add_residual(hidden, d.proj, rows * d.hidden);
+    }
     return 0;
 }
 
 int mlp_block(const Decoder& d, int64_t layer, int64_t rows, float* hidden, int64_t threads) {
     const Layer& w = d.layers[layer];
-    kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, w.post_norm, d.eps, d.normed, threads);
+    const bool sandwich = w.pre_ff_norm != nullptr;
+    kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, sandwich ? w.pre_ff_norm : w.post_norm, d.eps, d.normed,
+                    threads);
     if (linear(w.gate_up, d.normed, rows, d.gate_up, threads)) return -1;
-    kv_silu_mul_f32(d.gate_up, rows, d.intermediate, d.act, threads);
+    if (d.gelu) kv_gelu_mul_f32(d.gate_up, rows, d.intermediate, d.act, threads);
+    else kv_silu_mul_f32(d.gate_up, rows, d.intermediate, d.act, threads);
     if (linear(w.down, d.act, rows, d.proj, threads)) return -1;
-    add_residual(hidden, d.proj, rows * d.hidden);
+    if (sandwich) {
+        kv_rms_norm_f32(d.proj, rows, d.hidden, d.hidden, w.post_ff_norm, d.eps, d.normed, threads);
+        add_residual(hidden, d.normed, rows * d.hidden);
+    } else {
+        add_residual(hidden, d.proj, rows * d.hidden);
+    }
     return 0;
 }
 
 }  // namespace
 
 // hidden: [rows][hidden] fp32, the embedded tokens, replaced by the last layer's output after the final norm.
-// Returns 0; NO_TABLE, having done nothing, for a position beyond the cos/sin table; BAD_SLOT, having done
-// nothing, for a slot outside the pool; or 1 + the layer whose kernel did not take its arguments (the layers
+// pools, steps: num_pools (1 or 2) of each, the step's rows the same in each; routes: as attention_block reads
+// them. Returns 0; NO_TABLE, having done nothing, for a position beyond the cos/sin table; BAD_SLOT, having done
+// nothing, for a slot outside its pool; or 1 + the layer whose kernel did not take its arguments (the layers
 // before it ran).
-extern "C" int kv_decode_layers(float* hidden, const Decoder* decoder, const Pool* pool, const Step* step,
-                                int64_t num_threads) {
+extern "C" int kv_decode_layers(float* hidden, const Decoder* decoder, const Pool* pools, const Step* steps,
+                                int64_t num_pools, const int64_t* routes, int64_t num_threads) {
     const Decoder& d = *decoder;
-    const int64_t rows = step->rows;
+    const int64_t rows = steps[0].rows;
+    for (int64_t p = 0; p < num_pools; ++p)
+        for (int64_t t = 0; t < rows; ++t)
+            if (steps[p].slots[t] < 0 || steps[p].slots[t] >= pools[p].num_slots) return BAD_SLOT;
+    const int64_t tables = d.local_cos_table != nullptr ? 2 : 1;
     for (int64_t t = 0; t < rows; ++t) {
-        const int64_t p = step->positions[t], slot = step->slots[t];
+        const int64_t p = steps[0].positions[t];
         if (p < 0 || p >= d.table_positions) return NO_TABLE;
-        if (slot < 0 || slot >= pool->num_slots) return BAD_SLOT;
-        std::memcpy(d.cos + t * d.head_dim, d.cos_table + p * d.head_dim, d.head_dim * sizeof(float));
-        std::memcpy(d.sin + t * d.head_dim, d.sin_table + p * d.head_dim, d.head_dim * sizeof(float));
+        for (int64_t table = 0; table < tables; ++table) {
+            const int64_t at = (table * rows + t) * d.head_dim;
+            std::memcpy(d.cos + at, (table ? d.local_cos_table : d.cos_table) + p * d.head_dim,
+                        d.head_dim * sizeof(float));
+            std::memcpy(d.sin + at, (table ? d.local_sin_table : d.sin_table) + p * d.head_dim,
+                        d.head_dim * sizeof(float));
+        }
     }
     for (int64_t layer = 0; layer < d.num_layers; ++layer) {
-        if (attention_block(d, *pool, layer, *step, hidden, num_threads) ||
+        if (attention_block(d, pools, steps, routes, layer, hidden, num_threads) ||
             mlp_block(d, layer, rows, hidden, num_threads))
             return (int)(1 + layer);
     }

@@ -6,8 +6,8 @@ logits and the pool's K/V are that path's bit for bit. It takes a forward whose 
 (one query token per sequence, at most MAX_ROWS) that every layer keeps, over a pool it writes as
 KVPool.write does; any other step runs the per-op path, where the model's arithmetic is written once. It
 serves a Llama-style model packed for the CPU (LlamaModel.pack_for_cpu) whose products are all native
-(fp32 panels or quantized codes), with or without q/k norms (Qwen3), without Gemma's extra norms and GeGLU or a
-second RoPE base.
+(fp32 panels or quantized codes), with or without q/k norms (Qwen3), and Gemma 3's extra norms, GeGLU, second
+RoPE base and hybrid pool (LayeredKVPool: the full-attention and the window layers each in a pool of its own).
 KV_REUSE_FUSED_DECODE=0 turns it off."""
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("window", _I), ("q_norm", _P), ("k_norm", _P)]
+                ("down", _Linear), ("window", _I), ("q_norm", _P), ("k_norm", _P), ("pre_ff_norm", _P),
+                ("post_ff_norm", _P), ("rope", _I)]
 
 
 SCRATCH = ("cos", "sin", "normed", "qkv", "qk", "kv", "attn", "proj", "gate_up", "act")
@@ -56,9 +57,9 @@ SCRATCH = ("cos", "sin", "normed", "qkv", "qk", "kv", "attn", "proj", "gate_up",
 
 class _Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("intermediate", _I), ("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer)),
-                ("final_norm", _P), ("cos_table", _P), ("sin_table", _P), ("table_positions", _I)] + \
-               [(name, _P) for name in SCRATCH]
+                ("intermediate", _I), ("gelu", _I), ("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer)),
+                ("final_norm", _P), ("cos_table", _P), ("sin_table", _P), ("local_cos_table", _P),
+                ("local_sin_table", _P), ("table_positions", _I)] + [(name, _P) for name in SCRATCH]
 
 
 class _Pool(ctypes.Structure):
@@ -69,6 +70,15 @@ class _Pool(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I), ("slots", _P), ("num_seqs", _I), ("seq_info", _P), ("block_tables", _P),
                 ("positions", _P)]
+
+
+class _Layout:
+    """A pool as cpu_decode.cpp takes it: the storage of its parts (the pool itself, or a LayeredKVPool's two),
+    the first layer of each part (whose route gives that part and the step's metadata in its block ids) and each
+    layer's (part, index there). No reference to the pool: it is the key of the cache that holds this."""
+
+    def __init__(self, pools, first_layer: list[int], routes: torch.Tensor):
+        self.pools, self.first_layer, self.routes = pools, first_layer, routes
 
 
 def enabled_by_env() -> bool:
@@ -87,19 +97,22 @@ class FusedDecode:
         self.head_dim = config.head_dim
         # What owns the memory behind the pointers, held so that replacing a module or a parameter later cannot
         # free it.
-        self._held = [(layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                       layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-                       *[norm.weight.data for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
-                         if norm is not None])
+        self._held = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                       *[norm.weight.data for norm in _norms(layer) if norm is not None])
                       for layer in model.layers] + [model.norm.weight.data]
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
-        self._table = model.rotary.table(min(config.max_position_embeddings, TABLE_POSITIONS))
+        positions = min(config.max_position_embeddings, TABLE_POSITIONS)
+        self._table = model.rotary.table(positions)
+        local = model.local_rotary.table(positions) if model.local_rotary is not None else (None, None)
+        self._local_table = local
         self._decoder = _Decoder(config.num_layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
-                                 config.intermediate_size, config.rms_norm_eps, config.attention_scale, self._layers,
+                                 config.intermediate_size, int(config.hidden_act == "gelu_pytorch_tanh"),
+                                 config.rms_norm_eps, config.attention_scale, self._layers,
                                  model.norm.weight.data_ptr(), self._table[0].data_ptr(), self._table[1].data_ptr(),
+                                 *(None if t is None else t.data_ptr() for t in local),
                                  self._table[0].shape[0], *(self._scratch[name].data_ptr() for name in SCRATCH))
-        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Pool, or None: not taken
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Layout, or None: not taken
         self._busy = threading.Lock()  # one step at a time uses the scratch; another runs the per-op path
         self.calls = 0
 
@@ -107,11 +120,11 @@ class FusedDecode:
     def build(cls, model) -> "FusedDecode | None":
         """For a model packed for the CPU (pack_for_cpu) whose every layer it can run; None otherwise."""
         config = model.config
-        if (native.load() is None or model.backend.ops is None or config.sandwich_norms
-                or model.local_rotary is not None or not _rope_runs(model.backend.ops, config.head_dim)
+        if (native.load() is None or model.backend.ops is None or not _rope_runs(model.backend.ops, config.head_dim)
                 or not _fp32_vector(model.norm.weight)):
             return None
-        layers = [_layer(layer, config) for layer in model.layers]
+        layers = [_layer(layer, config, int(model.layer_rotary(i) is not model.rotary))
+                  for i, layer in enumerate(model.layers)]
         return None if any(layer is None for layer in layers) else cls(model, layers)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta, pool, select=None) -> torch.Tensor | None:
@@ -131,16 +144,20 @@ class FusedDecode:
         finally:
             self._busy.release()
 
-    def _step(self, hidden, positions, meta, pool, layout: _Pool) -> torch.Tensor:
+    def _step(self, hidden, positions, meta, pool, layout: "_Layout") -> torch.Tensor:
         rows = hidden.shape[0]
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        plan = KernelPlan(meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size,
-                          pool.num_blocks)
-        step = _Step(rows, slots.data_ptr(), plan.num_sequences, plan.seq_info.data_ptr(),
-                     plan.block_tables.data_ptr(), plan.positions.data_ptr())
+        steps, held = (_Step * len(layout.first_layer))(), []  # held: alive until the call returns
+        for i, first in enumerate(layout.first_layer):
+            part, _, part_meta = pool.route(first, meta)
+            slots = part_meta.slot_mapping.to(torch.int64).contiguous()
+            plan = KernelPlan(part_meta.query_start, part_meta.block_tables, part_meta.context_lens, positions,
+                              part.block_size, part.num_blocks)
+            held += [slots, plan]
+            steps[i] = _Step(rows, slots.data_ptr(), plan.num_sequences, plan.seq_info.data_ptr(),
+                             plan.block_tables.data_ptr(), plan.positions.data_ptr())
         out = hidden.clone(memory_format=torch.contiguous_format)
-        status = self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout), ctypes.byref(step),
-                          torch.get_num_threads())
+        status = self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout.pools),
+                          ctypes.byref(steps), len(steps), layout.routes.data_ptr(), torch.get_num_threads())
         if status == NO_TABLE:
             return None
         if status == BAD_SLOT:
@@ -150,19 +167,28 @@ class FusedDecode:
         self.calls += 1
         return out
 
-    def _pool(self, pool) -> _Pool | None:
+    def _pool(self, pool) -> "_Layout | None":
         """The pool's storage as cpu_decode.cpp takes it, worked out once per pool; None for a pool it does
-        not write: a hybrid model's (each layer routed to a pool of its own), another dtype or shape."""
-        if pool.layered:
-            return None
+        not write (another dtype or shape)."""
         if pool not in self._pools:
-            self._pools[pool] = self._pool_layout(pool)
+            self._pools[pool] = self._layout(pool)
         return self._pools[pool]
 
-    def _pool_layout(self, pool) -> _Pool | None:
+    def _layout(self, pool) -> "_Layout | None":
+        # A hybrid model's pool (LayeredKVPool) routes each layer to one of its two pools, at an index there.
+        routes = [pool.place(layer) for layer in range(self.num_layers)]
+        parts = list(dict.fromkeys(part for part, _ in routes))
+        pools = [self._part_layout(part, sum(p is part for p, _ in routes)) for part in parts]
+        if any(p is None for p in pools):
+            return None
+        first_layer = [next(layer for layer, (p, _) in enumerate(routes) if p is part) for part in parts]
+        return _Layout((_Pool * len(pools))(*pools), first_layer,
+                       torch.tensor([[parts.index(p), i] for p, i in routes], dtype=torch.int64).contiguous())
+
+    def _part_layout(self, pool, num_layers: int) -> _Pool | None:
         storage = pool.kernel_storage()
         if (storage is None or pool.dtype not in POOL_FORMATS or not CpuAttentionKernel.takes_pool(pool)
-                or (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (self.num_layers, self.kv_heads,
+                or (pool.num_layers, pool.num_kv_heads, pool.head_dim) != (num_layers, self.kv_heads,
                                                                           self.head_dim)):
             return None
         data, scales = storage
@@ -173,7 +199,7 @@ class FusedDecode:
 
     def _scratch_buffers(self, config) -> dict[str, torch.Tensor]:
         heads, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        widths = dict(cos=self.head_dim, sin=self.head_dim, normed=config.hidden_size, qkv=heads + 2 * kv_width,
+        widths = dict(cos=2 * self.head_dim, sin=2 * self.head_dim, normed=config.hidden_size, qkv=heads + 2 * kv_width,
                       qk=heads + kv_width, kv=2 * kv_width, attn=heads, proj=config.hidden_size,
                       gate_up=2 * config.intermediate_size, act=config.intermediate_size)
         return {name: torch.empty(MAX_ROWS, widths[name], dtype=torch.float32) for name in SCRATCH}
@@ -189,21 +215,28 @@ def _rope_runs(ops, head_dim: int) -> bool:
     return ops.rope(x, angles, angles) is not None
 
 
-def _layer(layer, config) -> _Layer | None:
-    """A decoder layer's weights as cpu_decode.cpp takes them; None for a layer it does not run."""
+def _norms(layer) -> tuple:
+    """A layer's RMSNorms as the _Layer fields take them, in order (None: the model has no such norm)."""
+    attn = layer.self_attn
+    sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else (None, None)
+    return (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm, *sandwich)
+
+
+def _layer(layer, config, rope: int) -> _Layer | None:
+    """A decoder layer's weights as cpu_decode.cpp takes them; None for a layer it does not run. rope: 1 if the
+    layer rotates with the model's second base (Gemma 3's sliding layers)."""
     attn, mlp = layer.self_attn, layer.mlp
     hidden, heads, kv_heads = config.hidden_size, attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else ()
-    if mlp.gelu or not all(_fp32_vector(w) for w in norms + qk_norms):
+    norms = _norms(layer)
+    if not all(_fp32_vector(norm.weight) for norm in norms if norm is not None):
         return None
     products = (_product(attn.qkv_proj, hidden, heads + 2 * kv_heads), _product(attn.o_proj, heads, hidden),
                 _product(mlp.gate_up_proj, hidden, 2 * config.intermediate_size),
                 _product(mlp.down_proj, config.intermediate_size, hidden))
     if any(p is None for p in products):
         return None
-    qk_pointers = [w.data_ptr() for w in qk_norms] or [None, None]  # null: no q/k norms
-    return _Layer(norms[0].data_ptr(), norms[1].data_ptr(), *products, attn.sliding_window or 0, *qk_pointers)
+    input_norm, post_norm, q_norm, k_norm, pre_ff, post_ff = (None if n is None else n.weight.data_ptr() for n in norms)
+    return _Layer(input_norm, post_norm, *products, attn.sliding_window or 0, q_norm, k_norm, pre_ff, post_ff, rope)
 
 
 def _product(module, in_features: int, out_features: int) -> _Linear | None:

@@ -136,9 +136,8 @@ def test_steps_it_does_not_take_run_per_op(bundled):
     model = bundled("int4")
     decode = model.backend.decode
 
-    def fused_calls(kv_dtype="fp32", select=None, layered=False):
+    def fused_calls(kv_dtype="fp32", select=None):
         seqs = Sequences(model, kv_dtype, [6, 9, 3])
-        seqs.pool.layered = layered
         seqs.step()
         before = decode.calls
         seqs.step(select(model.config.num_layers) if select else None)
@@ -148,7 +147,6 @@ def test_steps_it_does_not_take_run_per_op(bundled):
     assert fused_calls(select=lambda layers: OutputRows(torch.arange(3), layers)) == 1  # every row an output
     assert fused_calls(select=lambda layers: OutputRows(torch.tensor([0, 2]), layers)) == 0  # a row dropped
     assert fused_calls(kv_dtype="fp16") == 0  # a store it does not make as the pool would
-    assert fused_calls(layered=True) == 0  # layers routed to pools of their own
     model.use_cpu_attention_kernel(False)  # the per-op path would attend through torch
     try:
         assert fused_calls() == 0
@@ -188,7 +186,8 @@ def test_the_environment_turns_it_off(bundled, monkeypatch):
 
 
 # tiny checkpoints with head_dim 32 (the native RoPE's least): q/k/v biases (Qwen2), a window on every layer
-# (Mistral) that the decode steps outgrow, q/k norms (Qwen3)
+# (Mistral) that the decode steps outgrow, q/k norms (Qwen3); Gemma 3: norms around attention and the MLP,
+# GeGLU, q/k norms, and window layers (every layer but the sixth) with a RoPE base of their own
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     shape = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
@@ -196,7 +195,9 @@ def tiny(tmp_path_factory):
 
     def get(arch):
         if arch not in paths:
-            window = dict(sliding_window=8) if arch == "mistral" else {}
+            window = dict(sliding_window=8) if arch in ("mistral", "gemma3") else {}
+            if arch == "gemma3":  # the full-attention layer's base as Gemma 3's: not its window layers' 10,000
+                window.update(num_layers=6, rope_theta=1e6)
             paths[arch] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, seed=7,
                                                 **shape, **window)
         return paths[arch]
@@ -204,7 +205,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kv_dtype", POOLS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3"])
 def test_tiny_families_fuse_bit_for_bit(tiny, arch, kv_dtype):
     model = served(tiny(arch))
     steps = 12
@@ -235,11 +236,6 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_runs(tiny):
     assert torch.equal(seqs.pool_contents()[0], before)
 
 
-def test_a_family_it_does_not_implement_keeps_the_per_op_path(tiny):
-    model = served(tiny("gemma3"))  # Gemma's norms around attention and the MLP, GeGLU, a second RoPE base
-    assert not model.use_fused_decode() and model.backend.decode is None
-
-
 def test_step_rows_keep_all_rows_only_when_every_row_is_an_output():
     bounds = [(0, 1), (1, 2), (2, 3)]
     assert StepRows(bounds, {}, torch.arange(3), 30).keeps_all_rows(3)
@@ -247,9 +243,11 @@ def test_step_rows_keep_all_rows_only_when_every_row_is_an_output():
     assert not StepRows(bounds, {1: object()}, torch.arange(3), 30).keeps_all_rows(3)
 
 
-def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatch, arch):
     """Through the served engine (its runner's StepRows): the same tokens and logprobs as an engine built with
-    KV_REUSE_FUSED_DECODE=0, whose model never fuses."""
+    KV_REUSE_FUSED_DECODE=0, whose model never fuses. Gemma 3's engine keeps its full-attention and window
+    layers in two pools (LayeredKVPool), with block ids of their own, which the sequences outgrow."""
     def generate(engine):
         params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
         for i, prompt in enumerate([[5, 9, 14, 3, 60], [7] * 12, [100, 3, 17]]):
@@ -262,9 +260,10 @@ def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatc
                 lps += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
         return outputs
 
-    config = dict(model=str(tiny("llama")), block_size=4, num_gpu_blocks=128, max_num_seqs=4,
+    config = dict(model=str(tiny(arch)), block_size=4, num_gpu_blocks=128, max_num_seqs=4,
                   blend_key_shift=False)
     fused = build_engine(EngineConfig(**config))
+    assert fused.pool.layered == (arch == "gemma3")
     decode = fused.runner.model.backend.decode
     fused_out = generate(fused)
     assert decode.calls >= 9  # the three sequences' decode steps, some shared
