@@ -45,28 +45,15 @@ extern "C" void kv_rms_norm_f32(const float* x, int64_t rows, int64_t cols, int6
     }
 }
 
-// out[r, :] = silu(gate_up[r, :n]) * gate_up[r, n:2n]  (the gate and up projections side by side)
-extern "C" void kv_silu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads) {
-    const int threads = rows * n < SERIAL_ELEMENTS ? 1 : (int)num_threads;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* g = gate_up + r * 2 * n;
-        const float* u = g + n;
-        float* y = out + r * n;
-        int64_t c = 0;
-        for (; c + LANES <= n; c += LANES) {
-            const v16 gv = load(g + c);
-            store(y + c, gv / (splat(1.0f) + vexp(-gv)) * load(u + c));
-        }
-        for (; c < n; ++c) y[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
-    }
-}
+// out[r, :] = act(gate_up[r, :n]) * gate_up[r, n:2n] (the gate and up projections side by side), where act is
+// x / (1 + exp(-s(x))): SiLU with s(x) = x; GELU's tanh approximation (Gemma's GeGLU, torch's
+// F.gelu(approximate="tanh"): 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3)) with s(x) = 2u, the same
+// function without tanh's cancellation near u = 0. GELU is not torch's rounding (within ~1e-6 of it); the
+// model's per-op path and the fused decode both call this.
+namespace {
 
-// out[r, :] = gelu(gate_up[r, :n]) * gate_up[r, n:2n] with GELU's tanh approximation (Gemma's GeGLU,
-// torch's F.gelu(approximate="tanh")): 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as
-// x / (1 + exp(-2u)), the same function, with SiLU's exponential and no cancellation near u = 0. It is not
-// torch's rounding (within ~1e-6 of it), and the model's per-op path and the fused decode both call it.
-extern "C" void kv_gelu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads) {
+template <bool GELU>
+void gated(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads) {
     constexpr float TWO_BETA = 1.5957691216057308f;  // 2 sqrt(2 / pi)
     constexpr float KAPPA = 0.044715f;
     const int threads = rows * n < SERIAL_ELEMENTS ? 1 : (int)num_threads;
@@ -78,15 +65,26 @@ extern "C" void kv_gelu_mul_f32(const float* gate_up, int64_t rows, int64_t n, f
         int64_t c = 0;
         for (; c + LANES <= n; c += LANES) {
             const v16 x = load(g + c);
-            const v16 inner = splat(TWO_BETA) * (x + splat(KAPPA) * (x * x * x));
-            store(y + c, x / (splat(1.0f) + vexp(-inner)) * load(u + c));
+            v16 s = x;
+            if constexpr (GELU) s = splat(TWO_BETA) * (x + splat(KAPPA) * (x * x * x));
+            store(y + c, x / (splat(1.0f) + vexp(-s)) * load(u + c));
         }
         for (; c < n; ++c) {
             const float x = g[c];
-            const float inner = TWO_BETA * (x + KAPPA * (x * x * x));
-            y[c] = x / (1.0f + std::exp(-inner)) * u[c];
+            const float s = GELU ? TWO_BETA * (x + KAPPA * (x * x * x)) : x;
+            y[c] = x / (1.0f + std::exp(-s)) * u[c];
         }
     }
+}
+
+}  // namespace
+
+extern "C" void kv_silu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads) {
+    gated<false>(gate_up, rows, n, out, num_threads);
+}
+
+extern "C" void kv_gelu_mul_f32(const float* gate_up, int64_t rows, int64_t n, float* out, int64_t num_threads) {
+    gated<true>(gate_up, rows, n, out, num_threads);
 }
 
 // RoPE in transformers' "neox" layout (rope.apply_rotary): out = x * cos + rotate_half(x) * sin, per token over
