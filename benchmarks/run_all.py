@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_structured": ["--repeats", "2", "--http-repeats", "1", "--concurrency", "2"],
     "bench_agents": ["--tasks", "2", "--steps", "3"],
     "bench_decode": ["--tokens", "32", "--repeats", "1"],
+    "bench_compile": ["--steps", "16", "--rounds", "1", "--weights", "fp32"],
     "bench_weights": ["--cases", "4", "--greedy-prompts", "2", "--greedy-tokens", "16", "--decode-tokens", "32",
                       "--prefill-tokens", "512", "--ttft-tokens", "2048"],
     "bench_kv_dtype": ["--kl-prompts", "4", "--greedy-prompts", "2", "--greedy-tokens", "64", "--needle-cases", "5",
