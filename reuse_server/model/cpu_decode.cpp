@@ -110,6 +110,16 @@ void add_residual(float* hidden, const float* delta, int64_t n) {
     for (int64_t i = 0; i < n; ++i) hidden[i] += delta[i];
 }
 
+// A block's output (attention's or the MLP's, [rows][hidden]) into the residual stream, through its RMSNorm first
+// where the model norms it (Gemma; null: not).
+void add_output(const Decoder& d, float* hidden, const float* out, const float* norm, int64_t rows, int64_t threads) {
+    if (norm != nullptr) {
+        kv_rms_norm_f32(out, rows, d.hidden, d.hidden, norm, d.eps, d.normed, threads);
+        out = d.normed;
+    }
+    add_residual(hidden, out, rows * d.hidden);
+}
+
 // The step's fresh K (each token's qk row, after its query heads) and V (its qkv row, after q and k) into the
 // layer's planes, as KVPool.write stores them: copied into fp32, quantized by the pool's store kernels else.
 int store_kv(const Decoder& d, const Pool& pool, int64_t layer, const Step& step, int64_t threads) {
@@ -183,30 +193,19 @@ int attention_block(const Decoder& d, const Pool* pools, const Step* steps, cons
     if (store_kv(d, pool, index, step, threads)) return -1;  // before attending: each token sees its own K/V
     if (attend(d, pool, index, w.window, step, threads)) return -1;
     if (linear(w.o, d.attn, rows, d.proj, threads)) return -1;
-    if (w.pre_ff_norm != nullptr) {  // Gemma: the output normed before the residual
-        kv_rms_norm_f32(d.proj, rows, d.hidden, d.hidden, w.post_norm, d.eps, d.normed, threads);
-        add_residual(hidden, d.normed, rows * d.hidden);
-    } else {
-        add_residual(hidden, d.proj, rows * d.hidden);
-    }
+    add_output(d, hidden, d.proj, w.pre_ff_norm != nullptr ? w.post_norm : nullptr, rows, threads);
     return 0;
 }
 
 int mlp_block(const Decoder& d, int64_t layer, int64_t rows, float* hidden, int64_t threads) {
     const Layer& w = d.layers[layer];
-    const bool sandwich = w.pre_ff_norm != nullptr;
-    kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, sandwich ? w.pre_ff_norm : w.post_norm, d.eps, d.normed,
-                    threads);
+    const float* input_norm = w.pre_ff_norm != nullptr ? w.pre_ff_norm : w.post_norm;  // Gemma's, else Llama's
+    kv_rms_norm_f32(hidden, rows, d.hidden, d.hidden, input_norm, d.eps, d.normed, threads);
     if (linear(w.gate_up, d.normed, rows, d.gate_up, threads)) return -1;
     if (d.gelu) kv_gelu_mul_f32(d.gate_up, rows, d.intermediate, d.act, threads);
     else kv_silu_mul_f32(d.gate_up, rows, d.intermediate, d.act, threads);
     if (linear(w.down, d.act, rows, d.proj, threads)) return -1;
-    if (sandwich) {
-        kv_rms_norm_f32(d.proj, rows, d.hidden, d.hidden, w.post_ff_norm, d.eps, d.normed, threads);
-        add_residual(hidden, d.normed, rows * d.hidden);
-    } else {
-        add_residual(hidden, d.proj, rows * d.hidden);
-    }
+    add_output(d, hidden, d.proj, w.post_ff_norm, rows, threads);
     return 0;
 }
 
