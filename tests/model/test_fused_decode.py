@@ -243,11 +243,15 @@ def test_step_rows_keep_all_rows_only_when_every_row_is_an_output():
     assert not StepRows(bounds, {1: object()}, torch.arange(3), 30).keeps_all_rows(3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatch, arch):
+@pytest.mark.parametrize("arch, settings", [
+    ("llama", {}), ("gemma3", {}),
+    ("gemma3", dict(kv_dtype="int8", weight_dtype="int4", activation_dtype="int8")),
+], ids=["llama", "gemma3", "gemma3-int8-pool-int4-a8"])
+def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatch, arch, settings):
     """Through the served engine (its runner's StepRows): the same tokens and logprobs as an engine built with
     KV_REUSE_FUSED_DECODE=0, whose model never fuses. Gemma 3's engine keeps its full-attention and window
-    layers in two pools (LayeredKVPool), with block ids of their own, which the sequences outgrow."""
+    layers in two pools (LayeredKVPool), with block ids of their own, which the sequences outgrow; also with
+    int4 weights, int8 activations and an int8 pool (each part's scales)."""
     def generate(engine):
         params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
         for i, prompt in enumerate([[5, 9, 14, 3, 60], [7] * 12, [100, 3, 17]]):
@@ -261,7 +265,7 @@ def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatc
         return outputs
 
     config = dict(model=str(tiny(arch)), block_size=4, num_gpu_blocks=128, max_num_seqs=4,
-                  blend_key_shift=False)
+                  blend_key_shift=False, **settings)
     fused = build_engine(EngineConfig(**config))
     assert fused.pool.layered == (arch == "gemma3")
     decode = fused.runner.model.backend.decode
