@@ -28,8 +28,12 @@ ENV = "KV_REUSE_FUSED_DECODE"
 # The most decode rows a fused step takes: the scratch buffers are sized for it, and a bigger batch spends
 # little of its step in Python.
 MAX_ROWS = 64
-# RoPE's cos and sin are read out of a table of positions 0 .. TABLE_POSITIONS - 1 built once (4 MiB for
-# SmolLM2's 8,192 positions): computing them per step was six torch ops. A step beyond it runs the per-op path.
+# RoPE's cos and sin are read out of tables of positions 0 .. n - 1, one per RoPE base: computing them per step
+# was six torch ops. A table starts at FIRST_TABLE_POSITIONS and doubles when a step goes past it, up to
+# TABLE_POSITIONS (or the model's context), so its memory follows the longest context served: SmolLM2's 0.5 MiB
+# at 1,024 positions, 4 MiB at 8,192; Gemma 3's (head_dim 256, two bases) 4 MiB, and 64 MiB at 16,384. A step
+# beyond the largest runs the per-op path.
+FIRST_TABLE_POSITIONS = 1024
 TABLE_POSITIONS = 16384
 NO_TABLE, BAD_SLOT = -2, -3  # cpu_decode.cpp's refusals, each before it ran anything
 FP32_PANELS = -1  # cpu_decode.cpp's format of fp32 panels; the quantized ones are kv_quant_linear_f32's
@@ -102,16 +106,14 @@ class FusedDecode:
                       for layer in model.layers] + [model.norm.weight.data]
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
-        positions = min(config.max_position_embeddings, TABLE_POSITIONS)
-        self._table = model.rotary.table(positions)
-        local = model.local_rotary.table(positions) if model.local_rotary is not None else (None, None)
-        self._local_table = local
         self._decoder = _Decoder(config.num_layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
                                  config.intermediate_size, int(config.hidden_act == "gelu_pytorch_tanh"),
                                  config.rms_norm_eps, config.attention_scale, self._layers,
-                                 model.norm.weight.data_ptr(), self._table[0].data_ptr(), self._table[1].data_ptr(),
-                                 *(None if t is None else t.data_ptr() for t in local),
-                                 self._table[0].shape[0], *(self._scratch[name].data_ptr() for name in SCRATCH))
+                                 model.norm.weight.data_ptr(), *(None,) * 4, 0,
+                                 *(self._scratch[name].data_ptr() for name in SCRATCH))
+        self._rotary = [r for r in (model.rotary, model.local_rotary) if r is not None]  # the model's, then Gemma's
+        self._table_limit = min(config.max_position_embeddings, TABLE_POSITIONS)
+        self._set_tables(min(self._table_limit, FIRST_TABLE_POSITIONS))
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> _Layout, or None: not taken
         self._busy = threading.Lock()  # one step at a time uses the scratch; another runs the per-op path
         self.calls = 0
@@ -156,8 +158,14 @@ class FusedDecode:
             steps[i] = _Step(rows, slots.data_ptr(), plan.num_sequences, plan.seq_info.data_ptr(),
                              plan.block_tables.data_ptr(), plan.positions.data_ptr())
         out = hidden.clone(memory_format=torch.contiguous_format)
-        status = self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout.pools),
-                          ctypes.byref(steps), len(steps), layout.routes.data_ptr(), torch.get_num_threads())
+
+        def call():
+            return self._fn(out.data_ptr(), ctypes.byref(self._decoder), ctypes.byref(layout.pools),
+                            ctypes.byref(steps), len(steps), layout.routes.data_ptr(), torch.get_num_threads())
+
+        status = call()
+        if status == NO_TABLE and self._grow_tables(int(positions.max()) + 1):
+            status = call()  # the refused call ran nothing
         if status == NO_TABLE:
             return None
         if status == BAD_SLOT:
@@ -166,6 +174,23 @@ class FusedDecode:
             raise ValueError(f"the fused decode's kernels did not take layer {status - 1}'s arguments")
         self.calls += 1
         return out
+
+    def _set_tables(self, positions: int) -> None:
+        self._tables = [rotary.table(positions) for rotary in self._rotary]  # [(cos, sin)], held for the pointers
+        pointers = [t.data_ptr() for pair in self._tables for t in pair] + [None, None]
+        d = self._decoder
+        d.cos_table, d.sin_table, d.local_cos_table, d.local_sin_table = pointers[:4]
+        d.table_positions = positions
+
+    def _grow_tables(self, needed: int) -> bool:
+        """Tables of at least `needed` positions (doubling, up to the limit); False if that is past the limit."""
+        if needed > self._table_limit:
+            return False
+        positions = self._decoder.table_positions
+        while positions < needed:
+            positions *= 2
+        self._set_tables(min(positions, self._table_limit))
+        return True
 
     def _pool(self, pool) -> "_Layout | None":
         """The pool's storage as cpu_decode.cpp takes it, worked out once per pool; None for a pool it does

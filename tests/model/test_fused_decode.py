@@ -225,6 +225,26 @@ def test_positions_beyond_the_cos_sin_table_run_per_op(tiny, monkeypatch):
     assert_same(fused, run(model, "fp32", [6, 11], steps, fused=False))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_cos_sin_tables_grow_with_the_positions(tiny, monkeypatch, arch):
+    """The tables start small and double when a step goes past them (Gemma 3: both bases), so every step still
+    fuses, with the per-op path's logits; their memory follows the longest context decoded."""
+    monkeypatch.setattr(fused_decode, "FIRST_TABLE_POSITIONS", 8)
+    model = served(tiny(arch))
+    assert model.backend.decode._decoder.table_positions == 8
+    steps = 12
+    fused = run(model, "fp32", [6, 11], steps, fused=True)  # positions up to 22: the tables grow to 16, then 32
+    assert fused[2] == steps
+    assert_same(fused, run(model, "fp32", [6, 11], steps, fused=False))
+    grown = model.backend.decode  # run() rebuilt it after the fused run: a fresh one starts small again
+    assert grown._decoder.table_positions == 8
+    seqs = Sequences(model, "fp32", [30])
+    seqs.step()
+    seqs.step()
+    assert grown.calls == 1 and grown._decoder.table_positions == 32
+    assert len(grown._tables) == (2 if arch == "gemma3" else 1)
+
+
 def test_a_slot_outside_the_pool_is_refused_before_anything_runs(tiny):
     model = served(tiny("llama"))
     seqs = Sequences(model, "fp32", [5])
