@@ -269,9 +269,9 @@ def test_step_rows_keep_all_rows_only_when_every_row_is_an_output():
 ], ids=["llama", "gemma3", "gemma3-int8-pool-int4-a8"])
 def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatch, arch, settings):
     """Through the served engine (its runner's StepRows): the same tokens and logprobs as an engine built with
-    KV_REUSE_FUSED_DECODE=0, whose model never fuses. Gemma 3's engine keeps its full-attention and window
-    layers in two pools (LayeredKVPool), with block ids of their own, which the sequences outgrow; also with
-    int4 weights, int8 activations and an int8 pool (each part's scales)."""
+    KV_REUSE_FUSED_DECODE=0, whose model never fuses, and the same bytes in the pool. Gemma 3's engine keeps its
+    full-attention and window layers in two pools (LayeredKVPool), with block ids of their own, which the
+    sequences outgrow; also with int4 weights, int8 activations and an int8 pool (each part's scales)."""
     def generate(engine):
         params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3, ignore_eos=True)
         for i, prompt in enumerate([[5, 9, 14, 3, 60], [7] * 12, [100, 3, 17]]):
@@ -295,3 +295,10 @@ def test_the_engine_decodes_fused_with_the_per_op_path_s_output(tiny, monkeypatc
     per_op = build_engine(EngineConfig(**config))
     assert per_op.runner.model.backend.decode is None
     assert generate(per_op) == fused_out
+
+    def pool_bytes(engine):  # each part's K/V and scales as stored (a layered pool: its two parts)
+        parts = [engine.pool.full, engine.pool.windowed] if engine.pool.layered else [engine.pool]
+        return [(data.view(torch.uint8).clone(), scales) for data, scales in (p.kernel_storage() for p in parts)]
+
+    for (data_a, scales_a), (data_b, scales_b) in zip(pool_bytes(fused), pool_bytes(per_op), strict=True):
+        assert torch.equal(data_a, data_b) and (scales_a is None or torch.equal(scales_a, scales_b))
