@@ -1,4 +1,5 @@
-"""Where one decode step's time goes, on the bundled SmolLM2 with int4 weights (issue #28).
+"""Where one decode step's time goes, on the bundled SmolLM2 with int4 weights (issue #28), or another bundled
+model (--model gemma3-270m --weight-dtype auto).
 
 In this process, through the engine (`LLMEngine.step`, as the server's engine thread runs it), one stream
 decoding `--tokens` tokens after a short prompt (or `--context` tokens of one):
@@ -6,7 +7,7 @@ decoding `--tokens` tokens after a short prompt (or `--context` tokens of one):
 - forward_ms: the runner's forward alone (inputs built, layers, head), uninstrumented;
 - then one more pass with timers around the parts (each timed inclusive of its own Python call): linear
   (the quantized products and the head), attention (the CPU kernel and its plan), kv_write (the pool's store),
-  norm_rope (RMSNorm, RoPE, the SiLU gating), fused_layers (the fused decode: every layer of a decode step in
+  norm_rope (RMSNorm, RoPE, the SiLU or GELU gating), fused_layers (the fused decode: every layer of a decode step in
   one native call, its plan included), embed; python_dispatch is the uninstrumented forward minus those;
   scheduler (schedule + update, less the detokenizer), sampler, detokenizer.
 The fused row also has 8 streams decoding together in the engine (after a short prompt, not with --context):
@@ -130,8 +131,8 @@ def engine_breakdown(args, modes: list[bool]) -> dict[bool, dict]:
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
     from reuse_server.model import cpu_linear, quant_linear
 
-    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
-                                       kv_cache_memory=384 * MIB))
+    engine = build_engine(EngineConfig(model=args.model, weight_dtype=args.weight_dtype,
+                                       activation_dtype=args.activation_dtype, kv_cache_memory=384 * MIB))
     params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
     if args.context:  # a long context: the decode's attention reads args.context tokens of K/V a layer
@@ -228,6 +229,7 @@ def timed_parts(args, engine, decode_steps, forward_s: float, tag: str) -> dict:
     timers.wrap(llama.RMSNorm, "forward", "norm_rope")
     timers.wrap(llama, "apply_rotary", "norm_rope")
     timers.wrap(cpu_ops.NativeOps, "silu_mul", "norm_rope")
+    timers.wrap(cpu_ops.NativeOps, "gelu_mul", "norm_rope")
     timers.wrap(fused_decode.FusedDecode, "run", "fused_layers")
     timers.wrap(llama.LlamaModel, "embed", "embed")
     timers.wrap(engine.runner, "run", "forward")
@@ -262,8 +264,8 @@ def product_figures(args) -> list[dict]:
     from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
     from reuse_server.model import native, quant_linear
 
-    engine = build_engine(EngineConfig(weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
-                                       kv_cache_memory=384 * MIB))
+    engine = build_engine(EngineConfig(model=args.model, weight_dtype=args.weight_dtype,
+                                       activation_dtype=args.activation_dtype, kv_cache_memory=384 * MIB))
     prompt = engine.tokenizer.encode("Write a long story about a lighthouse keeper who finds a map in a bottle.")
     engine.add_request("p", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True),
                        CacheOptions(prefix_cache=False))
@@ -331,7 +333,7 @@ def our_server(args, fused: bool) -> Iterator[tuple[str, str, subprocess.Popen]]
     from reuse_server.model.fused_decode import ENV
 
     os.environ[ENV] = "1" if fused else "0"  # the server's model reads it as it packs its weights
-    with server_process("--model", "smollm2", "--weight-dtype", args.weight_dtype, "--activation-dtype",
+    with server_process("--model", args.model, "--weight-dtype", args.weight_dtype, "--activation-dtype",
                         args.activation_dtype, "--kv-cache-memory", "384MiB") as (url, proc):
         model = served_model(url)
         decode_over_http(args, url, model, 1, 4)
@@ -374,7 +376,7 @@ def llama_server_figures(args) -> dict | None:
     binary = shutil.which("llama-server")
     if binary is None:
         return None
-    gguf = bundled_gguf_path()
+    gguf = bundled_gguf_path(args.model)
     row = dict(bench="decode_llama_server", gguf=gguf.name, threads=args.threads, client=args.client)
     for slots, key in ((1, "http_ms_b1"), (8, "http_ms_b8")):
         with llama_server(binary, gguf, args.threads, slots, slots * 1024) as (url, _proc):
@@ -402,7 +404,7 @@ def head_to_head(args) -> dict | None:
         return None
     ours_1, ours_8, llama_1 = [], [], []
     with our_server(args, fused=True) as (url, model, _proc), \
-            llama_server(binary, bundled_gguf_path(), args.threads, 1, 1024) as (llama_url, _llama):
+            llama_server(binary, bundled_gguf_path(args.model), args.threads, 1, 1024) as (llama_url, _llama):
         llama_model = served_model(llama_url)
         decode_over_http(args, llama_url, llama_model, 1, 4)
         for _ in range(args.turns):
@@ -425,6 +427,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2", help="a bundled model: smollm2, or gemma3-270m (its weights: "
+                    "--weight-dtype auto)")
     ap.add_argument("--weight-dtype", default="int4")
     ap.add_argument("--activation-dtype", default="fp32,int8",
                     help="comma-separated --activation-dtype settings to run, each its own rows (int8: integer "
@@ -465,7 +469,8 @@ def main() -> None:
         run = argparse.Namespace(**{**vars(args), "activation_dtype": activation_dtype})
         rows = engine_breakdown(run, modes)
         for fused in modes:
-            row = dict(bench="decode_breakdown", weight_dtype=args.weight_dtype, activation_dtype=activation_dtype,
+            row = dict(bench="decode_breakdown", model=args.model, weight_dtype=args.weight_dtype,
+                       activation_dtype=activation_dtype,
                        tokens=args.tokens, fused=fused, context=args.context or None, read_gb_s=read_gb_s,
                        fma_g_s=None if fma is None else round(fma[0], 2), fma_lanes=None if fma is None else fma[1],
                        **rows[fused])
