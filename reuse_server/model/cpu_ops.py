@@ -1,5 +1,5 @@
-"""RMSNorm, the MLP's SiLU or GELU gating and RoPE through the C++ kernels (cpu_ops.cpp), fp32 on the CPU: one pass each
-instead of torch's six, two and five ops (a warm request's 17 rows: ~50 us -> a few us a call; RoPE of one
+"""RMSNorm, the MLP's SiLU or GELU gating and RoPE through the C++ kernels (cpu_ops.cpp), fp32 on the CPU: one
+pass each instead of torch's six, two and five ops (a warm request's 17 rows: ~50 us -> a few us a call; RoPE of one
 decode token: ~25 us -> ~1 us, bit for bit torch's)."""
 
 from __future__ import annotations
@@ -33,16 +33,17 @@ class NativeOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [rows, 2n] contiguous, the gate and up projections side by side -> silu(gate) * up, [rows, n]."""
-        rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=torch.float32)
-        self._silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads())
-        return out
+        return self._gated(self._silu_mul, gate_up)
 
     def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """As silu_mul with GELU's tanh approximation (GeGLU): gelu(gate) * up, [rows, n]."""
+        return self._gated(self._gelu_mul, gate_up)
+
+    @staticmethod
+    def _gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=torch.float32)
-        self._gelu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads())
+        kernel(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads())
         return out
 
     def argmax(self, x: torch.Tensor) -> list[int]:

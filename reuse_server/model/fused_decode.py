@@ -107,7 +107,7 @@ class FusedDecode:
         self._layers = (_Layer * len(layers))(*layers)
         self._scratch = self._scratch_buffers(config)
         self._decoder = _Decoder(config.num_layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
-                                 config.intermediate_size, int(config.hidden_act == "gelu_pytorch_tanh"),
+                                 config.intermediate_size, int(model.layers[0].mlp.gelu),
                                  config.rms_norm_eps, config.attention_scale, self._layers,
                                  model.norm.weight.data_ptr(), *(None,) * 4, 0,
                                  *(self._scratch[name].data_ptr() for name in SCRATCH))
