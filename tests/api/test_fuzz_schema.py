@@ -12,6 +12,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
+from schemathesis.core.transport import DEFAULT_MAX_STREAM_EVENTS
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
@@ -28,21 +30,32 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST
           ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
           ("POST", "/v1/completions/render"), ("POST", "/v1/chat/completions/render")]
 CASES = {"POST": 80, "GET": 15, "DELETE": 15}  # per route, about half of them schema-invalid
-NAMED_EVENTS = {"/v1/messages", "/v1/responses"}
+# Each named-event dialect's last event: Anthropic's message_stop, the Responses API's completed or incomplete
+# response; an error event may end either instead.
+LAST_EVENTS = {"/v1/messages": {"message_stop", "error"},
+               "/v1/responses": {"response.completed", "response.incomplete", "error"}}
+# schemathesis stops reading a stream after 20 events by default and closes it; the checks below need
+# every stream whole. The longest here: 16 choices of at most 96 tokens, an event a token, a few more a choice.
+MAX_STREAM_EVENTS = 10_000
 CHUNK_MODELS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
 
 
 def sse_events_are_chunks_then_done(ctx, response, case) -> None:
-    """What the schema can only say in words about a stream: every event is a chunk of the route's shape, an
-    error may come last before [DONE], and [DONE] ends it."""
+    """What the schema can only say in words about a stream, read whole: every event is a chunk of the route's
+    shape, an error may come last before [DONE], and [DONE] ends it; the named-event dialects end with their own
+    last event."""
     if not response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         return
+    assert not response.stream_cut_short, "the client stopped reading this stream (MAX_STREAM_EVENTS, timeout)"
     frames = response.content.decode().split("\n\n")
-    if case.operation.path in NAMED_EVENTS:  # event: NAME / data: JSON whose type is NAME; no [DONE]
+    if case.operation.path in LAST_EVENTS:  # event: NAME / data: JSON whose type is NAME; no [DONE]
         assert frames[-1] == "" and all(f.startswith("event: ") for f in frames[:-1]), frames[-3:]
+        names = []
         for frame in frames[:-1]:
             name, data = frame.split("\n")
-            assert json.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
+            names.append(name.removeprefix("event: "))
+            assert json.loads(data.removeprefix("data: "))["type"] == names[-1]
+        assert names[-1] in LAST_EVENTS[case.operation.path], names[-3:]
         return
     assert frames[-1] == "" and frames[-2] == "data: [DONE]", frames[-3:]
     events = [frame.removeprefix("data: ") for frame in frames[:-2]]
@@ -64,7 +77,8 @@ def api_schema(tiny_llama_path, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("fuzz") / "server.log"
     with running_server(tiny_llama_path, log_path, "--block-size", "4", "--num-gpu-blocks", "512",
                         "--max-model-len", "96", "--request-timeout", "10") as url:
-        yield schemathesis.openapi.from_url(url + "/openapi.json")
+        yield schemathesis.openapi.from_url(url + "/openapi.json", config=SchemathesisConfig.from_dict(
+            {"max-stream-events": MAX_STREAM_EVENTS}))
 
 
 def test_the_routes_fuzzed_are_all_the_routes(api_schema):
@@ -91,3 +105,24 @@ def test_every_response_is_declared_and_none_is_a_5xx(api_schema, method, path):
     print(f"{method} {path}: {sum(statuses.values())} cases in {time.monotonic() - started:.1f} s, "
           f"statuses {dict(sorted(statuses.items()))}")
     assert not any(status >= 500 for status in statuses)
+
+
+# A valid streaming request a streaming route, longer than schemathesis's default of 20 events where the route
+# takes ignore_eos: the fuzzed cases reach a whole stream only by chance.
+STREAMS = {
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "n": 2, "stream": True,
+                        "stream_options": {"include_usage": True}},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 40,
+                             "ignore_eos": True, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
+    "/v1/messages": {"model": "tiny", "max_tokens": 40, "messages": [{"role": "user", "content": "Tell me a story."}],
+                     "stream": True},
+    "/v1/responses": {"input": "Tell me a story.", "max_output_tokens": 40, "stream": True},
+}
+
+
+@pytest.mark.parametrize("path", sorted(STREAMS))
+def test_a_whole_stream_passes_the_stream_check(api_schema, path):
+    response = api_schema[path]["POST"].Case(body=STREAMS[path]).call_and_validate(checks=CHECKS, timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"][0].startswith("text/event-stream")
+    if path in CHUNK_MODELS:  # past the events schemathesis reads by default (a token may add no text)
+        assert response.content.count(b"\n\ndata: ") > DEFAULT_MAX_STREAM_EVENTS
