@@ -31,6 +31,7 @@ from reuse_server.api.protocol import ChatCompletionRequest, ChatMessage
 from reuse_server.api.response_store import ResponseStore, StoredResponse
 from reuse_server.api.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                  ResponsesRequest)
+from reuse_server.api.responses_tools import ResponsesTools, model_name, responses_tools, warn_skipped
 from reuse_server.api.tools import StreamEvent
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import InvalidRequest
@@ -56,7 +57,8 @@ def _text(content: str | list) -> str | list[dict]:
 
 
 def item_messages(body: ResponsesRequest) -> list[dict]:
-    """The request's input as chat messages (OpenAI's dicts)."""
+    """The request's input as chat messages (OpenAI's dicts); reasoning and hosted tools' items are left out
+    (responses_protocol.DroppedItem), a namespaced call is named as the model wrote it."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     out: list[dict] = []
@@ -65,7 +67,7 @@ def item_messages(body: ResponsesRequest) -> list[dict]:
             out.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": model_name(item.model_dump()), "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":  # the calls of one answer are one assistant turn
                 out[-1]["tool_calls"] = (out[-1].get("tool_calls") or []) + [call]
             else:
@@ -86,16 +88,12 @@ def response_format(body: ResponsesRequest) -> dict | None:
                                                    "strict": fmt.strict}}
 
 
-def chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    choice = body.tool_choice
-    if choice is not None and not isinstance(choice, str):
-        choice = {"type": "function", "function": {"name": choice.name}}
+def chat_request(body: ResponsesRequest, tools: ResponsesTools, messages: list[dict]) -> ChatCompletionRequest:
     chat = {
         "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-        "stream": bool(body.stream), "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
-        "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                  for t in body.tools or []] or None,
+        "stream": bool(body.stream), "tool_choice": tools.chat_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls, "tools": tools.functions or None,
         "response_format": response_format(body), "user": body.user, "prefix_cache": body.prefix_cache,
         "cache_salt": body.cache_salt, "kv_blend": body.kv_blend.model_dump() if body.kv_blend else None,
     }
@@ -139,7 +137,8 @@ class OutputItems:
     """Builds a response's output items from the answer's content and calls, with the stream events that
     announce them (the whole answer uses the same builder and drops the events)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ResponsesTools) -> None:
+        self.tools = tools
         self.items: list[dict] = []
         self._message: dict | None = None
 
@@ -166,7 +165,7 @@ class OutputItems:
         elif event.kind == "call":
             out += self._close_message("completed")
             call = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": event.id,
-                    "name": event.name, "arguments": ""}
+                    **self.tools.call_fields(event.name), "arguments": ""}
             self.items.append(call)
             out.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=call))
         else:  # a call's arguments come whole (api/tools.ToolCallStream): the call is done with them
@@ -209,14 +208,15 @@ def usage(last: RequestOutput) -> dict:
 class Turn:
     """One POST /v1/responses: the request, its conversation, and how its response is written and stored."""
 
-    def __init__(self, engine, body: ResponsesRequest, request: Request, history: list[dict], new: list[dict]):
-        self.engine, self.body, self.request = engine, body, request
+    def __init__(self, engine, body: ResponsesRequest, tools: ResponsesTools, request: Request, history: list[dict],
+                 new: list[dict]):
+        self.engine, self.body, self.tools, self.request = engine, body, tools, request
         self.id = _id("resp")
         self.created = int(time.time())
         self.conversation = history + new  # stored without the instructions: each request brings its own
 
     def response(self, status: str, output: list[dict], last: RequestOutput | None,
-                 reason: str | None = None) -> dict:
+                 reason: str | None = None, error: dict | None = None) -> dict:
         body = self.body
         fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format \
             else {"type": "text"}
@@ -224,7 +224,7 @@ class Turn:
             else body.tool_choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "background": False, "error": None,
+            "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": None, "model": self.engine.model_id, "output": output,
@@ -237,6 +237,7 @@ class Turn:
             "tools": [t.model_dump() for t in body.tools or []], "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled", "usage": usage(last) if last is not None else None,
             "user": body.user, "metadata": body.metadata or {},
+            "skipped_tools": self.tools.skipped,  # extension: the tools left out of the prompt (README)
         }
 
     def finished(self, output: list[dict], last: RequestOutput, reason: str | None) -> dict:
@@ -248,7 +249,7 @@ class Turn:
         content = "".join(part["text"] for item in response["output"] if item["type"] == "message"
                           for part in item["content"])
         calls = [{"id": item["call_id"], "type": "function",
-                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                  "function": {"name": model_name(item), "arguments": item["arguments"]}}
                  for item in response["output"] if item["type"] == "function_call"]
         answer = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
         record = StoredResponse(self.id, self.request.state.tenant, response, chat.prompt_ids, answer_ids,
@@ -269,26 +270,62 @@ async def create_response(engine, body: ResponsesRequest, request: Request) -> R
             raise NotFound(f"Previous response with id '{body.previous_response_id}' not found.",
                            "previous_response_id")
     new = item_messages(body)
-    turn = Turn(engine, body, request, stored.messages if stored else [], new)
+    tools = responses_tools(body)
+    turn = Turn(engine, body, tools, request, stored.messages if stored else [], new)
+    warn_skipped(turn.id, tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if not system + turn.conversation:
+        raise InvalidRequest("input: nothing to answer: it holds no message or function call item (reasoning "
+                             "items and hosted tools' calls are left out of the prompt).", "input")
     render = render_chat_prompt
     if stored is not None and stored.framing == framing_of(body):
         render = continuation(stored, len(new), engine.eos_token_ids)
-    chat = await prepare_chat(engine, chat_request(body, system + turn.conversation), request, turn.id,
-                              render=render)
+    try:
+        chat = await prepare_chat(engine, chat_request(body, tools, system + turn.conversation), request, turn.id,
+                                  render=render)
+    except InvalidRequest as exc:
+        exc.param = RESPONSES_PARAMS.get(exc.param, exc.param)
+        if body.stream and exc.code == CONTEXT_OVERFLOW:
+            numbered = Numbered()
+            return SSEResponse(named_sse_events(numbered.wrap(failed_events(turn, exc)), _nothing(),
+                                                numbered.error_event))
+        raise
     outputs = chat.start(engine, request)
     if body.stream:
         numbered = Numbered()
         events = numbered.wrap(response_events(turn, chat, answer_steps(chat, outputs)))
         return SSEResponse(named_sse_events(events, outputs, numbered.error_event))
     (answer,) = await whole_answers(chat, outputs, request)
-    response = turn.finished(whole_output(answer), answer.last, answer.finish_reason)
+    response = turn.finished(whole_output(tools, answer), answer.last, answer.finish_reason)
     await turn.store(chat, response, answer.token_ids)
     return JSONResponse(response)
 
 
-def whole_output(answer: Answer) -> list[dict]:
-    items = OutputItems()
+# The chat path's names of the fields an error points at, as the Responses API calls them.
+RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+CONTEXT_OVERFLOW = "context_length_exceeded"
+
+
+async def failed_events(turn: Turn, exc: InvalidRequest) -> AsyncIterator[tuple[str, dict]]:
+    """A prompt longer than the context, streamed as OpenAI streams it: the response is created and fails
+    with the error's code. Codex reads `context_length_exceeded` in a response.failed event as a full
+    context window (codex-api/src/sse/responses.rs); from a plain 400 it would only report an invalid
+    request. Nothing was queued, no KV block was touched."""
+    shell = turn.response("in_progress", [], None)
+    yield "response.created", {"type": "response.created", "response": shell}
+    yield "response.in_progress", {"type": "response.in_progress", "response": shell}
+    failed = turn.response("failed", [], None, error={"code": exc.code, "message": exc.message})
+    yield "response.failed", {"type": "response.failed", "response": failed}
+
+
+async def _nothing() -> AsyncIterator:
+    """The engine outputs of a request that never started (named_sse_events closes them)."""
+    return
+    yield
+
+
+def whole_output(tools: ResponsesTools, answer: Answer) -> list[dict]:
+    items = OutputItems(tools)
     if answer.parsed.content:
         items.feed(StreamEvent("content", answer.parsed.content))
     for call in answer.parsed.calls:
@@ -305,7 +342,7 @@ async def response_events(turn: Turn, chat: PreparedChat,
     shell = turn.response("in_progress", [], None)
     yield "response.created", {"type": "response.created", "response": shell}
     yield "response.in_progress", {"type": "response.in_progress", "response": shell}
-    items = OutputItems()
+    items = OutputItems(turn.tools)
     answer_ids: list[int] = []
     async for step in steps:
         answer_ids += step.out.new_token_ids

@@ -28,11 +28,12 @@ class MessageItem(BaseModel):
 
 
 class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # id, status
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
+    namespace: str | None = None  # a function of a namespace tool (api/responses_tools.py)
     arguments: str
 
 
@@ -44,9 +45,25 @@ class FunctionCallOutputItem(BaseModel):
     output: str | list[TextPart]
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class DroppedItem(BaseModel):
+    """An item sent back that has no place in this model's prompt: reasoning (the model does not reason; an
+    encrypted one is another model's), and the calls of hosted or custom tools this server never offers
+    (they came from another model, e.g. before a switch of provider). Accepted and left out."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | DroppedItem
 ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
               "function_call_output": FunctionCallOutputItem}
+# OpenAI's output item types (and their outputs) that the prompt leaves out
+DROPPED_ITEM_TYPES = ("reasoning", "web_search_call", "file_search_call", "code_interpreter_call",
+                      "image_generation_call", "computer_call", "computer_call_output", "local_shell_call",
+                      "local_shell_call_output", "custom_tool_call", "custom_tool_call_output", "tool_search_call",
+                      "tool_search_output", "mcp_call", "mcp_list_tools", "mcp_approval_request",
+                      "mcp_approval_response")
 PART_TYPES = ("input_text", "output_text")
 
 
@@ -59,9 +76,13 @@ def _items(value: Any) -> Any:
         if not isinstance(item, dict):
             raise ValueError(f"item {i} is not an object")
         kind = item.get("type", "message")
+        if kind in DROPPED_ITEM_TYPES:
+            out.append(DroppedItem(type=kind))
+            continue
         if kind not in ITEM_TYPES:
             raise ValueError(f"item {i}: items of type {kind!r} are not supported here "
-                             f"(only {', '.join(ITEM_TYPES)})")
+                             f"(only {', '.join(ITEM_TYPES)}; left out of the prompt: "
+                             f"{', '.join(DROPPED_ITEM_TYPES)})")
         content = item.get("content") if kind == "message" else item.get("output")
         for j, part in enumerate(content if isinstance(content, list) else []):
             part_kind = part.get("type") if isinstance(part, dict) else None
@@ -82,18 +103,64 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+class NamespaceTool(BaseModel):
+    """Functions grouped under one name (Codex's sub-agent tools, each of its MCP servers); the model sees
+    them flattened (api/responses_tools.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+class HostedTool(BaseModel):
+    """Any other tool: one OpenAI runs (web_search, file_search, code_interpreter, image_generation, mcp...),
+    one the client runs on output this server cannot constrain (custom grammar tools, local_shell,
+    tool_search). Left out of the prompt and reported (README, "Codex CLI")."""
+
+    model_config = ConfigDict(extra="allow")  # echoed back in the response's tools as sent
+
+    type: str
+    name: str | None = None
+
+    def reported(self) -> dict:
+        return {"type": self.type, **({"name": self.name} if self.name else {})}
+
+
+Tool = FunctionTool | NamespaceTool | HostedTool
+
+
 def _tools(value: Any) -> Any:
-    for i, tool in enumerate(value if isinstance(value, list) else []):
+    if not isinstance(value, list):
+        return value
+    out = []
+    for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise ValueError(f"tool {i}: tools of type {kind!r} are not supported here (only 'function': "
-                             "this server runs no hosted tool)")
-    return value
+        if not isinstance(kind, str):
+            raise ValueError(f"tool {i}: a tool needs its 'type'")
+        model = {"function": FunctionTool, "namespace": NamespaceTool}.get(kind, HostedTool)
+        if kind == "namespace":
+            for j, inner in enumerate(tool.get("tools") or []):
+                inner_kind = inner.get("type") if isinstance(inner, dict) else None
+                if inner_kind != "function":
+                    raise ValueError(f"tool {i}, tool {j}: a namespace holds functions, not {inner_kind!r}")
+        out.append(model.model_validate(tool))
+    return out
 
 
 class FunctionChoice(BaseModel):
     type: Literal["function"]
     name: str
+    namespace: str | None = None  # the function `name` of that namespace tool
+
+
+class HostedChoice(HostedTool):
+    """tool_choice of a hosted tool ({"type": "web_search"}, {"type": "custom", "name": ...}): that tool is
+    left out, so the choice is taken as "auto" (api/responses_tools.py)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class TextFormat(BaseModel):
@@ -125,8 +192,8 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[Item] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | HostedChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
@@ -146,6 +213,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     stream_options: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex's session, turn and window ids
     # Refused when given: they would change the answer and this server cannot honour them.
     background: bool | None = None
     conversation: Any = None
@@ -169,10 +237,13 @@ class ResponsesRequest(BaseModel):
     def _tool_choice_shape(cls, value: Any) -> Any:
         if value is None or value in ("none", "auto", "required"):
             return value
-        if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-            return value
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...} "
-                         "(hosted tools and allowed_tools are not supported here)")
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "function" and isinstance(value.get("name"), str):
+            return FunctionChoice.model_validate(value)
+        if isinstance(kind, str) and kind not in ("function", "allowed_tools"):
+            return HostedChoice.model_validate(value)
+        raise ValueError("tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} "
+                         "or a hosted tool's {'type': ...} (allowed_tools is not supported here)")
 
 
 # ---------------------------------------------------------------- responses (declared for /openapi.json)

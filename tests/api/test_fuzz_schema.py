@@ -31,9 +31,9 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("POST
           ("POST", "/v1/completions/render"), ("POST", "/v1/chat/completions/render")]
 CASES = {"POST": 80, "GET": 15, "DELETE": 15}  # per route, about half of them schema-invalid
 # Each named-event dialect's last event: Anthropic's message_stop, the Responses API's completed or incomplete
-# response; an error event may end either instead.
+# response (or failed: a prompt longer than the context); an error event may end either instead.
 LAST_EVENTS = {"/v1/messages": {"message_stop", "error"},
-               "/v1/responses": {"response.completed", "response.incomplete", "error"}}
+               "/v1/responses": {"response.completed", "response.incomplete", "response.failed", "error"}}
 # schemathesis stops reading a stream after 20 events by default and closes it; the checks below need
 # every stream whole. The longest here: 16 choices of at most 96 tokens, an event a token, a few more a choice.
 MAX_STREAM_EVENTS = 10_000
