@@ -80,6 +80,32 @@ def _stream_usage(data: dict, usage: dict | None) -> dict | None:
     return usage
 
 
+def sse_payloads(body: bytes):
+    """The JSON payload of each `data:` line of a whole server-sent-event stream, in order ([DONE] left out)."""
+    for line in body.splitlines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[len(b"data: "):])
+
+
+def response_usage(body: bytes, streaming: bool) -> dict | None:
+    """The `usage` of a whole recorded response, in its own dialect's fields (a stream's folded as a client
+    reads it: Responses' from response.completed, Anthropic's from message_start and message_delta); None
+    when it carries none."""
+    if not streaming:
+        data = json.loads(body) if body else {}
+        return data.get("usage") if isinstance(data, dict) else None
+    usage = None
+    for data in sse_payloads(body):
+        usage = _stream_usage(data, usage)
+    return usage
+
+
+def usage_in_chat_terms(usage: dict) -> SimpleNamespace:
+    """Any dialect's usage as chat's prompt_tokens, completion_tokens and prompt_tokens_details.cached_tokens
+    (for Anthropic, prompt_tokens is the sum of the uncached and the cached input)."""
+    return _usage(usage)
+
+
 @functools.cache
 def recording_transport(h=httpx):
     """RecordingTransport for the HTTP library `h` an SDK is built on: httpx (openai) or httpx2 (anthropic 2.x),
