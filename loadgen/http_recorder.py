@@ -4,7 +4,8 @@ a vendor SDK): an httpx transport that passes every request through and records,
 read from the HTTP exchange alone.
 
 TTFT is the time until the first streamed event that carries text or a tool call; usage comes from the last
-chunk (chat: the client must ask for `stream_options.include_usage`), from `response.completed` (Responses),
+chunk (chat: the client must ask for `stream_options.include_usage`), from `response.completed` or, for an answer
+cut by max_output_tokens, `response.incomplete` (Responses),
 from `message_start` and `message_delta` (Anthropic Messages), or from a whole JSON body. Each dialect's usage
 is read into chat's terms (prompt, completion and cached tokens). Once the phase's time is up, the transport
 refuses new requests with `PhaseOver` instead of sending them.
@@ -69,7 +70,7 @@ def _stream_usage(data: dict, usage: dict | None) -> dict | None:
     """The usage so far after one streamed event (Anthropic's comes in two parts: the prompt's at
     message_start, the output's at message_delta)."""
     kind = data.get("type")
-    if kind == "response.completed":
+    if kind in ("response.completed", "response.incomplete"):  # incomplete: cut by max_output_tokens
         return (data.get("response") or {}).get("usage") or usage
     if kind == "message_start":
         return dict((data.get("message") or {}).get("usage") or {})
