@@ -15,14 +15,24 @@ def _type(value: Any) -> type:
     return type(value) if type(value) in _VALUES_BY_TYPE else dict
 
 
-def _places(node: Any, path: tuple = ()) -> list[tuple]:
-    """The path of every field (dict key) and element (list index) in the tree, depth first."""
-    found = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, child in items:
-        found.append(path + (key,))
-        found += _places(child, path + (key,))
-    return found
+def _children(node: Any) -> list:
+    return list(node) if isinstance(node, dict) else list(range(len(node))) if isinstance(node, list) else []
+
+
+def _random_place(tree: Any, rng: random.Random) -> tuple | None:
+    """A field (dict key) or element (list index) reached by a random walk down from the top, stopping at each
+    level with even odds: the top-level fields get half the mutations, instead of next to none among the
+    thousands of leaves of an agent's tools and messages."""
+    path: tuple = ()
+    node = tree
+    while True:
+        keys = _children(node)
+        if not keys:
+            return path or None
+        key = rng.choice(keys)
+        path, node = path + (key,), node[key]
+        if not _children(node) or rng.random() < 0.5:
+            return path
 
 
 def _parent(tree: Any, path: tuple) -> Any:
@@ -50,10 +60,9 @@ def _encode(node: Any, duplicate: tuple | None, path: tuple = ()) -> str:
 def mutate(body: dict, rng: random.Random) -> tuple[str, bytes]:
     """One mutation of `body` (left unchanged): (what was done, the new JSON text as bytes)."""
     tree = json.loads(json.dumps(body))
-    places = _places(tree)
-    if not places:
+    path = _random_place(tree, rng)
+    if path is None:
         return "nothing to mutate", json.dumps(tree).encode()
-    path = rng.choice(places)
     parent, key = _parent(tree, path), path[-1]
     kind = rng.choice(("drop", "duplicate", "retype"))
     if kind == "drop":
