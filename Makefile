@@ -13,7 +13,7 @@ ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 3000
 endif
 
-.PHONY: venv serve test bench clean redis-server aiperf
+.PHONY: venv serve test bench clean redis-server aiperf agents node
 
 venv: $(STAMP)
 
@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/reuse-server serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: $(STAMP) redis-server aiperf
+test: $(STAMP) redis-server aiperf agents
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The Redis tier's tests run against a real redis-server (Debian's), which they start on a free port.
@@ -47,6 +47,29 @@ redis-server:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
 	  { $$SUDO apt-get update -q >/dev/null && \
 	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; }
+
+# The real coding agents tests/agents runs against the server (Codex CLI, Claude Code): npm packages pinned by
+# coding-agents/package-lock.json, installed into coding-agents/node_modules (node and npm are Debian's)
+AGENTS_DIR := coding-agents
+AGENTS_STAMP := $(AGENTS_DIR)/node_modules/.installed
+agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): $(AGENTS_DIR)/package.json $(AGENTS_DIR)/package-lock.json | node
+	cd $(AGENTS_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	# Claude Code's postinstall puts its native binary over bin/claude.exe, a stub that only exits 1; an npm
+	# set to ignore scripts skips it, so it is run here as well (it replaces the binary in place)
+	cd $(AGENTS_DIR) && node node_modules/@anthropic-ai/claude-code/install.cjs
+	$(AGENTS_DIR)/node_modules/.bin/codex --version
+	$(AGENTS_DIR)/node_modules/.bin/claude --version
+	touch $(AGENTS_STAMP)
+
+node:
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "installing Debian's nodejs and npm (the coding agents are npm packages)"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null; }; }
 
 # NVIDIA aiperf, the load generator published benchmarks use, pins its own dependencies: a venv of its own
 # (reuse-loadgen aiperf runs it as a subprocess)
@@ -63,4 +86,4 @@ bench: $(STAMP) $(AIPERF_STAMP)
 	$(PY) -m benchmarks.run_all
 
 clean:
-	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache
+	rm -rf $(VENV) $(AIPERF_VENV) $(AGENTS_DIR)/node_modules .pytest_cache

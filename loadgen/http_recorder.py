@@ -4,7 +4,8 @@ a vendor SDK): an httpx transport that passes every request through and records,
 read from the HTTP exchange alone.
 
 TTFT is the time until the first streamed event that carries text or a tool call; usage comes from the last
-chunk (chat: the client must ask for `stream_options.include_usage`), from `response.completed` (Responses),
+chunk (chat: the client must ask for `stream_options.include_usage`), from `response.completed` or, for an answer
+cut by max_output_tokens, `response.incomplete` (Responses),
 from `message_start` and `message_delta` (Anthropic Messages), or from a whole JSON body. Each dialect's usage
 is read into chat's terms (prompt, completion and cached tokens). Once the phase's time is up, the transport
 refuses new requests with `PhaseOver` instead of sending them.
@@ -69,7 +70,7 @@ def _stream_usage(data: dict, usage: dict | None) -> dict | None:
     """The usage so far after one streamed event (Anthropic's comes in two parts: the prompt's at
     message_start, the output's at message_delta)."""
     kind = data.get("type")
-    if kind == "response.completed":
+    if kind in ("response.completed", "response.incomplete"):  # incomplete: cut by max_output_tokens
         return (data.get("response") or {}).get("usage") or usage
     if kind == "message_start":
         return dict((data.get("message") or {}).get("usage") or {})
@@ -78,6 +79,32 @@ def _stream_usage(data: dict, usage: dict | None) -> dict | None:
     if data.get("usage") and kind is None:
         return data["usage"]
     return usage
+
+
+def sse_payloads(body: bytes):
+    """The JSON payload of each `data:` line of a whole server-sent-event stream, in order ([DONE] left out)."""
+    for line in body.splitlines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[len(b"data: "):])
+
+
+def response_usage(body: bytes, streaming: bool) -> dict | None:
+    """The `usage` of a whole recorded response, in its own dialect's fields (a stream's folded as a client
+    reads it: Responses' from response.completed, Anthropic's from message_start and message_delta); None
+    when it carries none."""
+    if not streaming:
+        data = json.loads(body) if body else {}
+        return data.get("usage") if isinstance(data, dict) else None
+    usage = None
+    for data in sse_payloads(body):
+        usage = _stream_usage(data, usage)
+    return usage
+
+
+def usage_in_chat_terms(usage: dict) -> SimpleNamespace:
+    """Any dialect's usage as chat's prompt_tokens, completion_tokens and prompt_tokens_details.cached_tokens
+    (for Anthropic, prompt_tokens is the sum of the uncached and the cached input)."""
+    return _usage(usage)
 
 
 @functools.cache
