@@ -61,8 +61,9 @@ def claude_code_body(suffix: str, question: str, instructions: str = "Answer in 
         "model": MODEL, "max_tokens": 8, "stream": True, "temperature": 0,
         "system": system_blocks(suffix, instructions),
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>Today is Friday.</system-reminder>"},
-                                         {"type": "text", "text": question, "cache_control": {"type": "ephemeral"}}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>Today is Friday.</system-reminder>"},
+                {"type": "text", "text": question, "cache_control": {"type": "ephemeral"}}]},
             {"role": "system", "content": "Available agent types: general, explorer."}],
         "tools": [SHELL, TASKS, WEB_SEARCH],
         "metadata": {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "",
@@ -167,17 +168,20 @@ def test_a_system_message_cleared_at_the_next_user_message(server):
     note = {"role": "system", "content": "Clear check: a note for this turn only.", "clear_at": "next_user_message"}
     plain = {k: v for k, v in note.items() if k != "clear_at"}
     follow = [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Clear check: again."}]
-    base = {"model": MODEL}
-    assert count(server, {**base, "messages": question + [note]}) == count(server, {**base, "messages": question + [plain]})
-    assert count(server, {**base, "messages": question + [note] + follow}) == count(server, {**base, "messages": question + follow})
-    assert count(server, {**base, "messages": question + [plain] + follow}) > count(server, {**base, "messages": question + follow})
+    def tokens(messages: list[dict]) -> int:
+        return count(server, {"model": MODEL, "messages": messages})
+
+    assert tokens(question + [note]) == tokens(question + [plain])  # shown in the turn it follows
+    assert tokens(question + [note] + follow) == tokens(question + follow)  # gone once a user message follows
+    assert tokens(question + [plain] + follow) > tokens(question + follow)
 
 
 HISTORY = [{"role": "user", "content": "History check: search the web for the capital of Peru."},
            {"role": "assistant", "content": [
                {"type": "thinking", "thinking": "The user wants a search.", "signature": "c2ln"},
                {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
-               {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "capital of Peru"}},
+               {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+                "input": {"query": "capital of Peru"}},
                {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [
                    {"type": "web_search_result", "url": "https://example.org/peru", "title": "Peru",
                     "encrypted_content": "ZW5j"}]},
@@ -189,7 +193,8 @@ HISTORY = [{"role": "user", "content": "History check: search the web for the ca
 
 def test_blocks_of_an_earlier_answer_this_server_does_not_render_are_left_out(server):
     text_only = [HISTORY[0], {"role": "assistant", "content": "Lima is the capital of Peru."}, HISTORY[2]]
-    assert count(server, {"model": MODEL, "messages": HISTORY}) == count(server, {"model": MODEL, "messages": text_only})
+    assert count(server, {"model": MODEL, "messages": HISTORY}) == \
+        count(server, {"model": MODEL, "messages": text_only})
     response = post(server, {"model": MODEL, "max_tokens": 2, "messages": HISTORY})
     assert response.status_code == 200, response.text
 
