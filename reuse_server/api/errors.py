@@ -16,7 +16,7 @@ from reuse_server.api.auth import Unauthorized
 from reuse_server.api.protocol import ErrorDetail, ErrorResponse
 from reuse_server.engine.request_errors import (EngineStalled, EngineUnavailable, QueueFull, RequestTimedOut,
                                                 ServerDraining)
-from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.engine.sampling_params import AnswerDoesNotFit, InvalidRequest, PromptTooLong
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -65,11 +65,29 @@ def anthropic_error_body(status: int, message: str) -> dict:
                                        "message": message}}
 
 
+def anthropic_message(exc: InvalidRequest) -> str:
+    """An invalid request's message as Anthropic words it where clients read the words: Claude Code compacts
+    its conversation on `prompt is too long: N tokens > M maximum` and retries with a smaller max_tokens on
+    `input length and `max_tokens` exceed context limit: P + T > L, ...` (both matched by regular expressions
+    in Claude Code 2.1.197). Anthropic's maximum is the longest prompt: here one token less than the context,
+    which must leave room for one token of answer."""
+    if isinstance(exc, PromptTooLong):
+        return f"prompt is too long: {exc.prompt_tokens} tokens > {exc.limit - 1} maximum"
+    if isinstance(exc, AnswerDoesNotFit):
+        return (f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + {exc.max_tokens} > "
+                f"{exc.limit}, decrease input length or `max_tokens` and try again")
+    return exc.message
+
+
+def is_anthropic(request: Request | None) -> bool:
+    return request is not None and request.url.path.startswith(ANTHROPIC_PATH)
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None, request: Request | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """The error in the shape of the route's dialect."""
-    if request is not None and request.url.path.startswith(ANTHROPIC_PATH):
+    if is_anthropic(request):
         body = anthropic_error_body(status, message)
     else:
         body = error_body(message, type_, param, code)
@@ -152,7 +170,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(400, exc.message, param=exc.param, code=exc.code, request=request)
+        message = anthropic_message(exc) if is_anthropic(request) else exc.message
+        return error_response(400, message, param=exc.param, code=exc.code, request=request)
 
     @app.exception_handler(ModelNotFound)
     async def _model(request: Request, exc: ModelNotFound) -> JSONResponse:

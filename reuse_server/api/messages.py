@@ -1,10 +1,15 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a translation into the chat
-path (api/chat.py). `system` becomes the system message; `tool_use` blocks the assistant's tool calls (their
-input written back as JSON), `tool_result` blocks tool messages; tools and tool_choice map one to one
-(`any` is "required", `tool` a named function, `disable_parallel_tool_use` parallel_tool_calls false)."""
+path (api/chat.py). `system` becomes the first system message and a `system` message inside `messages` a
+system message at its place; `tool_use` blocks the assistant's tool calls (their input written back as JSON),
+`tool_result` blocks tool messages; tools and tool_choice map one to one (`any` is "required", `tool` a named
+function, `disable_parallel_tool_use` parallel_tool_calls false), `output_config.format` is response_format.
+What Anthropic runs itself (server tools, context edits) and an earlier answer's thinking or server tool
+blocks are left out of the prompt, not refused (README, "Claude Code")."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 import uuid
 from typing import Any, AsyncIterator
 
@@ -16,13 +21,29 @@ from reuse_server.api.chat import AnswerStep, PreparedChat, answer_steps, prepar
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.errors import anthropic_error_body, describe_validation_error
 from reuse_server.api.generation import SSEResponse, check_model, named_sse_events
-from reuse_server.api.messages_protocol import CountTokensRequest, MessagesRequest, TextBlock
+from reuse_server.api.messages_protocol import (AnthropicMessage, CountTokensRequest, CustomTool, HistoryOnlyBlock,
+                                                MessagesRequest, ServerTool, TextBlock)
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import tool_settings
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import InvalidRequest
 
+logger = logging.getLogger("reuse_server.api")
+
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+# Claude Code's first system block: `x-anthropic-billing-header: cc_version=2.1.197.0df; cc_entrypoint=...;`.
+BILLING_HEADER = re.compile(r"x-anthropic-billing-header:[^\n]*")
+
+# Context edits whose effect this server has anyway: thinking blocks are never rendered (HistoryOnlyBlock).
+APPLIED_EDITS = ("clear_thinking_",)
+
+
+def is_billing_header(block: TextBlock) -> bool:
+    """A system block that is only Claude Code's billing header. It is metadata for Anthropic's billing, not
+    an instruction, and its suffix changes between sessions: rendered first, it would make every new session
+    recompute the instructions and tools behind it, so it is left out of the prompt."""
+    return BILLING_HEADER.fullmatch(block.text.strip()) is not None
 
 
 def _text(blocks: str | list[TextBlock] | None) -> str:
@@ -35,16 +56,39 @@ def _parts(blocks: list) -> list[dict]:
     return [{"type": "text", "text": b.text} for b in blocks if b.type == "text" and b.text]
 
 
+def _system_parts(content: str | list[TextBlock]) -> list[dict]:
+    blocks = [TextBlock(type="text", text=content)] if isinstance(content, str) else content
+    kept = [b for b in blocks if not is_billing_header(b)]
+    if len(kept) < len(blocks):
+        logger.debug("left Claude Code's billing header out of the system prompt (it changes every session)")
+    return _parts(kept)
+
+
+def _shown(messages: list[AnthropicMessage], at: int) -> bool:
+    """Whether a message is in front of the model: a system message with clear_at "next_user_message" is
+    only until a later user message exists."""
+    message = messages[at]
+    return message.clear_at != "next_user_message" or not any(m.role == "user" for m in messages[at + 1:])
+
+
 def chat_messages(body: MessagesRequest) -> list[dict]:
     """The conversation as chat messages (OpenAI's dicts)."""
     out: list[dict] = []
     if body.system:
-        system = body.system if isinstance(body.system, str) else _parts(body.system)
+        system = _system_parts(body.system)
         if system:
             out.append({"role": "system", "content": system})
-    for message in body.messages:
+    for at, message in enumerate(body.messages):
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
+        if message.role == "system":
+            system = _system_parts(blocks)
+            if system and _shown(body.messages, at):
+                out.append({"role": "system", "content": system})
+            continue
         if message.role == "assistant":
+            dropped = [b.type for b in blocks if isinstance(b, HistoryOnlyBlock)]
+            if dropped:
+                logger.debug("left %s block(s) of an earlier answer out of the prompt", ", ".join(dropped))
             calls = [{"id": b.id, "type": "function", "function": {
                 "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}} for b in blocks
                 if b.type == "tool_use"]
@@ -61,6 +105,47 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
     return out
 
 
+def _functions(body: MessagesRequest) -> list[dict] | None:
+    """The client's tools as functions; Anthropic's server tools are left out (no schema to show a model, and
+    nothing here runs them), with a warning so an operator sees what the client expected."""
+    server = [t for t in body.tools or [] if isinstance(t, ServerTool)]
+    if server:
+        logger.warning("left server tool(s) %s out of the prompt: this server does not run them",
+                       ", ".join(t.name or t.type for t in server))
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.input_schema}}
+            for t in body.tools or [] if isinstance(t, CustomTool)] or None
+
+
+def _tool_choice(body: MessagesRequest) -> tuple[Any, bool]:
+    if body.tool_choice is None:
+        return None, True
+    choice = body.tool_choice
+    if choice.type == "tool" and any(isinstance(t, ServerTool) and choice.name in (t.name, t.type)
+                                     for t in body.tools or []):
+        raise InvalidRequest(f"tool_choice names {choice.name!r}, a server tool this server does not run.",
+                             "tool_choice")
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+        "type": "function", "function": {"name": choice.name}}
+    return mapped, not choice.disable_parallel_tool_use
+
+
+def _response_format(body: MessagesRequest) -> dict | None:
+    """output_config.format (or the structured-outputs beta's output_format) as response_format json_schema."""
+    fmt = (body.output_config.format if body.output_config else None) or body.output_format
+    if fmt is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+
+
+def _log_unapplied_edits(body: MessagesRequest) -> None:
+    edits = body.context_management.edits if body.context_management else []
+    skipped = [str(e.get("type")) for e in edits if not str(e.get("type")).startswith(APPLIED_EDITS)]
+    if skipped:
+        logger.warning("context_management edit(s) %s not applied: a prompt longer than the context is refused "
+                       "(prompt is too long) for the client to compact", ", ".join(skipped))
+
+
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The request as the chat path takes it; InvalidRequest (a 400) for what it cannot honour."""
     if body.mcp_servers:
@@ -69,17 +154,13 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         raise InvalidRequest("container is not supported: this server runs no code execution tool.", "container")
     if body.messages[-1].role == "assistant":
         raise InvalidRequest("A last assistant message (a prefill to continue) is not supported.", "messages")
-    choice, parallel = None, True
-    if body.tool_choice is not None:
-        choice = {"auto": "auto", "any": "required", "none": "none"}.get(body.tool_choice.type) or {
-            "type": "function", "function": {"name": body.tool_choice.name}}
-        parallel = not body.tool_choice.disable_parallel_tool_use
+    _log_unapplied_edits(body)
+    choice, parallel = _tool_choice(body)
     chat = {
         "model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
         "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "seed": body.seed, "stream": bool(body.stream), "tool_choice": choice, "parallel_tool_calls": parallel,
-        "tools": [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                    "parameters": t.input_schema}} for t in body.tools or []] or None,
+        "tools": _functions(body), "response_format": _response_format(body),
         "prefix_cache": body.prefix_cache, "cache_salt": body.cache_salt,
         "kv_blend": body.kv_blend.model_dump() if body.kv_blend else None,
     }

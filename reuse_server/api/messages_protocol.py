@@ -1,20 +1,35 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request as its documentation
-and the `anthropic` SDK define it, and the response shapes. `cache_control` (on blocks, tools and at the top)
-is accepted and has no effect: the cache here is automatic (README, "Anthropic Messages")."""
+and the `anthropic` SDK define it (Claude Code's fields included: system messages inside `messages`,
+`thinking`, `output_config`, `context_management`), and the response shapes. `cache_control` is kept on the
+blocks, system blocks and tools it comes on; the cache here is automatic, so it does not change the prompt
+(README, "Anthropic Messages")."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from reuse_server.api.protocol import FUNCTION_NAME, KVBlendOptions, _check_unicode
 
 
+class CacheControl(BaseModel):
+    """A prompt-caching breakpoint ({"type": "ephemeral", "ttl": "5m" | "1h"}). Anthropic defines only
+    "ephemeral" today; another type or ttl is kept as sent rather than refused, since it cannot change the
+    answer."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "ephemeral"
+    ttl: str | None = None
+
+
 class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, citations
+    model_config = ConfigDict(extra="ignore")
 
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None  # where an earlier answer's text came from; not rendered
 
 
 class ToolUseBlock(BaseModel):
@@ -24,6 +39,7 @@ class ToolUseBlock(BaseModel):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(BaseModel):
@@ -33,56 +49,110 @@ class ToolResultBlock(BaseModel):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
+    cache_control: CacheControl | None = None
 
 
-class ThinkingBlock(BaseModel):
-    """A reasoning block another model wrote; sent back by clients, dropped here (README)."""
+class HistoryOnlyBlock(BaseModel):
+    """A block of an earlier answer that this server neither writes nor renders: another model's thinking
+    (`thinking`, `redacted_thinking`), a server tool's call and result (`server_tool_use`,
+    `web_search_tool_result`, ...) or a type newer than this server. Taken only in assistant messages, where
+    leaving it out of the prompt keeps what the conversation says (its text and tool calls stay)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+def _block_kind(block: Any) -> str:
+    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
+    return kind if kind in ("text", "tool_use", "tool_result") else "history_only"
+
+
+Block = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ToolUseBlock, Tag("tool_use")]
+                  | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[HistoryOnlyBlock, Tag("history_only")],
+                  Discriminator(_block_kind)]
+
+# The block types each role may hold; an assistant message's other blocks are HistoryOnlyBlocks, dropped.
+ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",)}
+
+
+class SystemMessageOutputConfig(BaseModel):
+    """A system message's per-turn output settings (the mid-conversation-system beta): only `effort`, a hint
+    for a reasoning model, without effect here."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["thinking", "redacted_thinking"]
-
-
-BLOCK_TYPES = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
-               "thinking": ThinkingBlock, "redacted_thinking": ThinkingBlock}
-Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
-
-
-def _blocks(value: Any) -> Any:
-    """One clear message for a block type we do not take (images, documents, server tool results)."""
-    if isinstance(value, list):
-        for i, block in enumerate(value):
-            kind = block.get("type") if isinstance(block, dict) else None
-            if kind not in BLOCK_TYPES:
-                raise ValueError(f"block {i}: blocks of type {kind!r} are not supported here "
-                                 f"(only {', '.join(sorted(BLOCK_TYPES))})")
-    return value
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class AnthropicMessage(BaseModel):
+    """A user or assistant turn, or a system message anywhere in the conversation (Claude Code sends them
+    with the `mid-conversation-system-2026-04-07` beta): it becomes a system message at that place."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
-
-    _known_blocks = field_validator("content", mode="before")(_blocks)
+    # Only on system messages: "next_user_message" shows the message only until a later user turn exists.
+    clear_at: Literal["next_user_message", "never"] | None = None
+    output_config: SystemMessageOutputConfig | None = None
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> "AnthropicMessage":
-        if isinstance(self.content, list):
-            wrong = "tool_use" if self.role == "user" else "tool_result"
-            if any(b.type == wrong for b in self.content):
-                raise ValueError(f"a {self.role} message cannot hold {wrong} blocks")
+        if self.role != "system" and (self.clear_at is not None or self.output_config is not None):
+            raise ValueError("clear_at and output_config are only taken on system messages")
+        if isinstance(self.content, str):
+            return self
+        allowed = ROLE_BLOCKS[self.role]
+        for i, block in enumerate(self.content):
+            if block.type in allowed or (self.role == "assistant" and isinstance(block, HistoryOnlyBlock)):
+                continue
+            if isinstance(block, HistoryOnlyBlock):
+                raise ValueError(f"block {i}: blocks of type {block.type!r} are not supported in a {self.role} "
+                                 f"message here (only {', '.join(allowed)})")
+            raise ValueError(f"a {self.role} message cannot hold {block.type} blocks")
         return self
 
 
-class AnthropicTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control
+class CustomTool(BaseModel):
+    """A tool the client runs, described by its input schema."""
 
-    type: Literal["custom"] | None = None  # server tools (bash, web search, ...) are not ours to run
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["custom"] | None = None
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+    # Accepted without effect: decoding is constrained to the schema whether or not `strict` is asked;
+    # every tool is in the prompt (no tool search to defer loading to); examples and input streaming
+    # options do not change what the model is shown here.
+    strict: bool | None = None
+    defer_loading: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+    eager_input_streaming: bool | None = None
+    allowed_callers: list[str] | None = None
+
+
+class ServerTool(BaseModel):
+    """A tool Anthropic defines and runs or trains its models on (`web_search_20250305`, `web_fetch_...`,
+    `bash_...`, `text_editor_...`, `code_execution_...`): it has no input schema this server could show a
+    model, so it is left out of the prompt (and logged), not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    cache_control: CacheControl | None = None
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "custom" if kind in (None, "custom") else "server"
+
+
+AnthropicTool = Annotated[Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool, Tag("server")],
+                          Discriminator(_tool_kind)]
 
 
 class AnthropicToolChoice(BaseModel):
@@ -99,8 +169,57 @@ class AnthropicToolChoice(BaseModel):
         return self
 
 
+class ThinkingEnabled(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # display
+
+    type: Literal["enabled"]
+    budget_tokens: int
+
+
+class ThinkingOther(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # display
+
+    type: Literal["disabled", "adaptive", "between_tools"]
+
+
+# Accepted, without effect: the served models write no thinking blocks (usage counts none).
+Thinking = Annotated[ThinkingEnabled | ThinkingOther, Field(discriminator="type")]
+
+
+class JSONOutputFormat(BaseModel):
+    """Structured output: the answer's text is JSON matching `schema` (our response_format json_schema)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # task_budget: advisory, without effect
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a hint for reasoning models
+    format: JSONOutputFormat | None = None
+
+
+class ContextManagement(BaseModel):
+    """Server-side edits of the prompt (`clear_thinking_...`, `clear_tool_uses_...`, `compact_...`). Thinking
+    blocks are never rendered here, so clearing them is what already happens; the other edits are not
+    applied (logged): a prompt that outgrows the context is refused in the shape Claude Code compacts on."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    edits: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    user_id: str | None = None  # Claude Code: JSON with its device and session ids; not used for anything
+
+
 class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # service_tier, anything else harmless
+    model_config = ConfigDict(extra="ignore")  # service_tier, speed, inference_geo, anything else harmless
 
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -110,12 +229,15 @@ class MessagesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     stream: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    cache_control: dict[str, Any] | None = None  # SDK 2.x's top-level hint; accepted, the cache is automatic
-    thinking: dict[str, Any] | None = None  # accepted: the served model does not reason in blocks
+    cache_control: CacheControl | None = None  # SDK 2.x's top-level breakpoint
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
+    context_management: ContextManagement | None = None
     service_tier: str | None = None
     # Refused: they would change the answer and this server cannot honour them.
     mcp_servers: list[Any] | None = None

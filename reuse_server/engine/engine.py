@@ -16,7 +16,8 @@ from reuse_server.engine.builder import EngineParts
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampler import top_logprobs
-from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
+from reuse_server.engine.sampling_params import (AnswerDoesNotFit, CacheOptions, InvalidRequest, PromptTooLong,
+                                                SamplingParams)
 from reuse_server.engine.scheduler import StepOutput
 from reuse_server.engine.sequence import Sequence
 
@@ -82,21 +83,14 @@ class LLMEngine:
             raise InvalidRequest(f"Token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1}).", "prompt")
         limit = self.max_sequence_tokens
         if len(prompt_ids) >= limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{len(prompt_ids)} tokens, which leaves no room for a completion.",
-                None, "context_length_exceeded")
+            raise PromptTooLong(limit, len(prompt_ids))
         params.validate()
         outside = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
         if outside:
             raise InvalidRequest(f"logit_bias names token {outside[0]}, outside the vocabulary "
                                  f"(0..{self.vocab_size - 1}).", "logit_bias")
         if len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequest(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                "max_tokens", "context_length_exceeded")
+            raise AnswerDoesNotFit(limit, len(prompt_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     options: CacheOptions | None = None, arrival: float | None = None) -> Sequence:

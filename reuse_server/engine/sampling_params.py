@@ -17,6 +17,35 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
+
+class ContextLengthExceeded(InvalidRequest):
+    """A request that does not fit the model's context. Its numbers travel with it, so that each API words
+    the refusal as its clients read it (Claude Code compacts its conversation on Anthropic's wording of
+    PromptTooLong and lowers max_tokens on that of AnswerDoesNotFit: api/errors.py)."""
+
+    def __init__(self, message: str, param: str | None, limit: int, prompt_tokens: int):
+        super().__init__(message, param, "context_length_exceeded")
+        self.limit = limit
+        self.prompt_tokens = prompt_tokens
+
+
+class PromptTooLong(ContextLengthExceeded):
+    """The prompt alone fills the context: no room is left for one token of answer."""
+
+    def __init__(self, limit: int, prompt_tokens: int):
+        super().__init__(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                         f"{prompt_tokens} tokens, which leaves no room for a completion.", None, limit, prompt_tokens)
+
+
+class AnswerDoesNotFit(ContextLengthExceeded):
+    """The prompt fits, but not with the max_tokens of answer asked for."""
+
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
+        super().__init__(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+                         f"completion). Reduce the prompt or max_tokens.", "max_tokens", limit, prompt_tokens)
+        self.max_tokens = max_tokens
+
 SAMPLING_EPS = 1e-5
 
 
