@@ -1,20 +1,21 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request as its documentation
 and the `anthropic` SDK define it, and the response shapes. `cache_control` (on blocks, tools and at the top)
-is accepted and has no effect: the cache here is automatic (README, "Anthropic Messages")."""
+sets prompt-cache breakpoints (api/cache_breakpoints.py; README, "Anthropic Messages")."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from reuse_server.api.protocol import FUNCTION_NAME, KVBlendOptions, _check_unicode
+from reuse_server.api.protocol import FUNCTION_NAME, CacheControl, KVBlendOptions, _check_unicode
 
 
 class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, citations
+    model_config = ConfigDict(extra="ignore")  # citations
 
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(BaseModel):
@@ -33,6 +34,7 @@ class ToolResultBlock(BaseModel):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(BaseModel):
@@ -77,12 +79,13 @@ class AnthropicMessage(BaseModel):
 
 
 class AnthropicTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control
+    model_config = ConfigDict(extra="ignore")
 
     type: Literal["custom"] | None = None  # server tools (bash, web search, ...) are not ours to run
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class AnthropicToolChoice(BaseModel):
@@ -114,7 +117,7 @@ class MessagesRequest(BaseModel):
     stream: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    cache_control: dict[str, Any] | None = None  # SDK 2.x's top-level hint; accepted, the cache is automatic
+    cache_control: CacheControl | None = None  # automatic: a breakpoint on the last cacheable block
     thinking: dict[str, Any] | None = None  # accepted: the served model does not reason in blocks
     service_tier: str | None = None
     # Refused: they would change the answer and this server cannot honour them.
@@ -143,6 +146,7 @@ class AnthropicUsage(BaseModel):
     output_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
+    cache_creation: dict[str, int] | None = None  # ephemeral_5m_input_tokens, ephemeral_1h_input_tokens
 
 
 class MessageResponse(BaseModel):

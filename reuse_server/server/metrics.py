@@ -35,6 +35,13 @@ class _SnapshotCollector:
             blocks.add_metric([state], snap[f"{state}_blocks"])
         yield blocks
         yield GaugeMetricFamily("kvreuse_kv_blocks_total", "KV cache blocks in the pool.", value=snap["total_blocks"])
+        pins = snap.get("pins")
+        if pins is not None:
+            yield GaugeMetricFamily("kvreuse_kv_pinned_blocks", "KV cache blocks kept by prompt-cache pins "
+                                    "(cache_control breakpoints; counted in in_use).", value=pins["pinned_blocks"])
+            yield CounterMetricFamily("kvreuse_kv_pins_given_way", "Prompt-cache pins released before their time "
+                                      "(a tenant past --max-pinned-share, a pool that could admit no one).",
+                                      value=pins["given_way"])
         yield GaugeMetricFamily("kvreuse_requests_running", "Requests being decoded or prefilled.",
                                 value=snap["running"])
         yield GaugeMetricFamily("kvreuse_requests_waiting", "Requests queued for admission.", value=snap["waiting"])
