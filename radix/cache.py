@@ -4,6 +4,8 @@ Every block id in `range(num_blocks)` is in exactly one state:
 - free: on the free list;
 - caller-owned ("in use"): handed out by `allocate`, not (yet) in the tree;
 - in the tree: evictable when its node's `lock_ref` is 0, in use while a running request locks it.
+A *pin* (`pin`/`unpin`) is a lock held for the prompt cache rather than a running request: the pinned
+prefix is in use (never evicted) until the pin is released; its blocks are also counted as pinned.
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ class RadixCache:
         self._num_caller = 0
         self._num_evictable = 0  # tree blocks whose node has lock_ref 0
         self._num_locked = 0  # tree blocks whose node has lock_ref > 0
+        self._num_pinned = 0  # of those, blocks whose node has pin_ref > 0
         self._num_tails = 0
         self._tail_tokens = 0  # tokens held by tails (their blocks are partly filled)
         self._queue = EvictionQueue(make_policy(policy))
@@ -288,6 +291,26 @@ class RadixCache:
                 if not n.children:
                     self._queue.add(n)
 
+    def pin(self, node: TreeNode) -> None:
+        """Keep the prefix ending at `node` in the tree until `unpin(node)`: a lock that no running request
+        holds (the prompt cache's breakpoints, kv/pins.py), its blocks counted as pinned."""
+        self.lock(node)
+        for n in self._path(node):
+            if n.pin_ref == 0:
+                self._num_pinned += n.num_blocks
+            n.pin_ref += 1
+
+    def unpin(self, node: TreeNode) -> None:
+        """Undo one `pin(node)`: its blocks are ordinary cache again once nothing else locks them."""
+        path = self._path(node)
+        if any(n.pin_ref <= 0 for n in path):
+            raise RadixError("unpin of a node that is not pinned (more unpins than pins)")
+        for n in path:
+            n.pin_ref -= 1
+            if n.pin_ref == 0:
+                self._num_pinned -= n.num_blocks
+        self.unlock(node)
+
     # ------------------------------------------------------------- accounting
 
     def allocate(self, n: int) -> list[int]:
@@ -424,6 +447,7 @@ class RadixCache:
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
             evicted_blocks=self._evicted_blocks,
+            pinned_blocks=self._num_pinned,
         )
 
     def check_invariants(self, check_hashes: bool = True) -> None:
@@ -439,7 +463,7 @@ class RadixCache:
         for block in itertools.chain(self._free, range(self._fresh, total)):
             claim(block, "free")
             _require(self._state[block] == FREE, f"free block {block} has state {self._state[block]}")
-        evictable = locked = tails = tail_tokens = 0
+        evictable = locked = pinned = tails = tail_tokens = 0
         leaves: set[TreeNode] = set()
         stack = [self._root]
         while stack:
@@ -472,6 +496,9 @@ class RadixCache:
                         expected = self.hasher.chain_bytes(parent_hash, child.tokens, 0, n)
                         _require(expected == child.hashes, "stored hashes are not the chain of the stored tokens")
                     _require(child.lock_ref >= 0, "negative lock_ref")
+                    _require(0 <= child.pin_ref <= child.lock_ref, "pin_ref negative or above lock_ref (a pin is a lock)")
+                    if child.pin_ref:
+                        pinned += n
                     for block in child.block_ids:
                         claim(block, "in the tree")
                         _require(self._state[block] == TREE, f"tree block {block} has state {self._state[block]}")
@@ -495,6 +522,7 @@ class RadixCache:
         _require(len(caller) == self._num_caller, f"caller count {self._num_caller} != {len(caller)}")
         _require(evictable == self._num_evictable, f"evictable count {self._num_evictable} != {evictable}")
         _require(locked == self._num_locked, f"locked count {self._num_locked} != {locked}")
+        _require(pinned == self._num_pinned, f"pinned count {self._num_pinned} != {pinned}")
         _require(leaves == self._queue.leaves, "eviction queue disagrees with the tree's evictable leaves")
         _require((tails, tail_tokens) == (self._num_tails, self._tail_tokens), "tail counters disagree with the tree")
         s = self.stats()

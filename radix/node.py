@@ -13,12 +13,13 @@ class TreeNode:
     hash of its i-th block. A node is filed in its parent's `children` under the hash of its first
     block (`key`); every key maps to a list, because truncated (test) or crafted hashes can collide
     and siblings are told apart by their tokens. `lock_ref` counts the running requests whose path
-    passes through the node (a lock walks up to the root, like SGLang's `lock_ref`).
+    passes through the node (a lock walks up to the root, like SGLang's `lock_ref`); `pin_ref` counts, of
+    those locks, the ones held by prompt-cache pins (`RadixCache.pin`) rather than running requests.
     """
 
     __slots__ = (
         "parent", "children", "by_first_token", "tokens", "block_ids", "hashes", "namespace",
-        "lock_ref", "last_access", "hit_count", "heap_version",
+        "lock_ref", "pin_ref", "last_access", "hit_count", "heap_version",
     )
 
     def __init__(self, parent: "TreeNode | None", tokens: bytes, block_ids: list[int], hashes: list[bytes], namespace: bytes):
@@ -30,6 +31,7 @@ class TreeNode:
         self.hashes = hashes
         self.namespace = namespace
         self.lock_ref = 0
+        self.pin_ref = 0
         self.last_access = 0
         self.hit_count = 0
         self.heap_version = 0
@@ -80,7 +82,8 @@ class TreeNode:
         assert 0 < num_blocks < self.num_blocks
         cut = num_blocks * block_bytes
         top = TreeNode(self.parent, self.tokens[:cut], self.block_ids[:num_blocks], self.hashes[:num_blocks], self.namespace)
-        top.lock_ref, top.last_access, top.hit_count = self.lock_ref, self.last_access, self.hit_count
+        top.lock_ref, top.pin_ref = self.lock_ref, self.pin_ref
+        top.last_access, top.hit_count = self.last_access, self.hit_count
         self.parent.replace_child(self, top)
         self.tokens = self.tokens[cut:]
         self.block_ids = self.block_ids[num_blocks:]

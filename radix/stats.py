@@ -22,6 +22,7 @@ class CacheStats:
     query_tokens: int
     hit_tokens: int
     evicted_blocks: int
+    pinned_blocks: int = 0  # of in_use_blocks, tree blocks kept by prompt-cache pins (RadixCache.pin)
 
     @property
     def token_hit_rate(self) -> float:

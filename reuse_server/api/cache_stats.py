@@ -1,6 +1,7 @@
 """GET /v1/cache/stats: what the KV cache holds, measured: the device pool's blocks and the tokens actually
 in them (a block is allocated whole; the empty slots of partly filled last blocks are waste), cached vs in
-use, and each tier below the pool."""
+use, each tier below the pool, and the prompt-cache pins (cache_control breakpoints): blocks and tokens pinned,
+per tenant (its digest; "default" without API keys) with its pins' soonest and latest expiry in seconds."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ def cache_stats(engine) -> str:
         "model": engine.model_id,
         "device": {**snap["memory"], "evictable_blocks": snap["evictable_blocks"],
                    "in_use_blocks": snap["in_use_blocks"], "evicted_blocks": snap["evicted_blocks"]},
+        "pins": snap["pins"],
         "tiers": snap["tiers"],
         "requests": {"running": snap["running"], "waiting": snap["waiting"]},
     })

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi import Request
 
-from reuse_server.api.chat_template import render_chat_prompt
+from reuse_server.api.chat_template import render_chat_prompt, render_marked_chat_prompt
 from reuse_server.api.generation import (ChoiceOutputs, cache_options, check_common, check_model, collect,
                                          compile_constraint, generate_choices, sampling_params)
 from reuse_server.api.prompt_chunks import PromptChunks
@@ -19,7 +19,7 @@ from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, output_constraint,
                                     parse_tool_calls, tool_settings)
 from reuse_server.engine.outputs import RequestOutput
-from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheBreakpoint, CacheOptions, SamplingParams
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -51,11 +51,18 @@ async def chat_prompt(body: ChatCompletionRequest, request: Request,
     """The prompt's token ids and chunk spans as the chat template renders the messages (tools and earlier
     calls included), tokenized on a worker thread, and the request's tool settings: what every generating
     route and the render endpoint (api/render.py) build."""
+    prompt, _, tools = await marked_chat_prompt(body, request, render)
+    return prompt.token_ids, prompt.chunk_spans, tools
+
+
+async def marked_chat_prompt(body: ChatCompletionRequest, request: Request, render: PromptRenderer = render_chat_prompt
+                             ) -> tuple[PromptChunks, tuple[CacheBreakpoint, ...], ToolSettings]:
+    """chat_prompt's prompt, with the cache breakpoints the client's cache_control marks set in it."""
     tools = tool_settings(body)
     tokenizing = request.app.state.tokenizing
-    prompt_ids, chunk_spans = await tokenizing.run(render, tokenizing.tokenizer_for(request.state.tenant),
-                                                   body.messages, tools)
-    return prompt_ids, chunk_spans, tools
+    prompt, breakpoints = await tokenizing.run(render_marked_chat_prompt, render,
+                                               tokenizing.tokenizer_for(request.state.tenant), body.messages, tools)
+    return prompt, breakpoints, tools
 
 
 async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, request_id: str,
@@ -64,15 +71,16 @@ async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, re
     InvalidRequest (a 400) for anything the engine could not run."""
     check_model(body, engine.model_id)
     check_common(body)
-    prompt_ids, chunk_spans, tools = await chat_prompt(body, request, render)
+    prompt, breakpoints, tools = await marked_chat_prompt(body, request, render)
+    prompt_ids, chunk_spans = prompt.token_ids, prompt.chunk_spans
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
     params = sampling_params(body, max_tokens, logprobs)
     params.grammar = await compile_constraint(request, output_constraint(tools, body.response_format))
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
-    return PreparedChat(request_id, prompt_ids, params, tools, cache_options(body, chunk_spans, request.state.tenant),
-                        body.n or 1, list(chunk_spans))
+    options = cache_options(body, chunk_spans, request.state.tenant, breakpoints)
+    return PreparedChat(request_id, prompt_ids, params, tools, options, body.n or 1, list(chunk_spans))
 
 
 def _log_cut(request_id: str, cut: int, kept: int, reason: str | None) -> None:

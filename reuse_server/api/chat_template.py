@@ -9,10 +9,11 @@ from __future__ import annotations
 from blend.chunking import PART_SEPARATOR, Chunk, chat_opening, encode, render_chat_chunks
 from jinja2 import TemplateError
 
+from reuse_server.api.cache_breakpoints import breakpoints
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
 from reuse_server.api.tools import ToolSettings, for_template
-from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.engine.sampling_params import CacheBreakpoint, InvalidRequest
 
 NO_TOOLS = ToolSettings((), "none", True)
 
@@ -26,7 +27,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         role = "system" if m.role == "developer" else m.role
         entry = {"role": role, "content": m.content if m.content is not None else ""}
         if isinstance(m.content, list):
-            entry["content"] = [{"type": "text", "text": part["text"]} for part in m.content]
+            entry["content"] = [_text_part(part) for part in m.content]
         if m.name is not None:
             entry["name"] = m.name
         if m.tool_calls:
@@ -34,6 +35,14 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
         out.append(entry)
+    return out
+
+
+def _text_part(part: dict) -> dict:
+    """A text part as the template takes it; a cache_control mark rides along to place the breakpoint."""
+    out = {"type": "text", "text": part["text"]}
+    if part.get("cache_control") is not None:
+        out["cache_control"] = part["cache_control"]
     return out
 
 
@@ -47,6 +56,20 @@ def render_chat_prompt(tokenizer, messages: list[ChatMessage], tools: ToolSettin
     except TemplateError as exc:  # e.g. a template that insists roles alternate
         raise InvalidRequest(f"The model's chat template rejected the messages: {exc}", "messages") from exc
     return from_chunks(chunks)
+
+
+def render_marked_chat_prompt(render, tokenizer, messages: list[ChatMessage], tools: ToolSettings
+                              ) -> tuple[PromptChunks, tuple[CacheBreakpoint, ...]]:
+    """`render`'s prompt (render_chat_prompt or a continuation) and the cache breakpoints the messages' and
+    tools' cache_control marks set in it (api/cache_breakpoints.py). A continuation's spans start with the
+    stored turn's, which hold no marks: its breakpoints are the new messages' only when the spans line up."""
+    prompt = render(tokenizer, messages, tools)
+    marked = conversation(messages)
+    if not tools.cache_control and not any(isinstance(m["content"], list) and any("cache_control" in p for p in m["content"])
+                                           for m in marked):
+        return prompt, ()
+    rendered, _ = for_template(tokenizer, marked, tools)
+    return prompt, breakpoints(rendered, prompt.chunk_spans)
 
 
 # Stand-ins for a stored turn in a probe rendering (private-use characters no client text holds).

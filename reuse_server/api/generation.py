@@ -85,7 +85,7 @@ def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = (),
-                  tenant: str | None = None) -> CacheOptions:
+                  tenant: str | None = None, breakpoints: list = ()) -> CacheOptions:
     blend = body.kv_blend
     return CacheOptions(
         prefix_cache=body.prefix_cache is not False,
@@ -94,6 +94,7 @@ def cache_options(body: GenerationRequest, chunk_spans: list[tuple[int, int]] = 
         blend=None if blend is None else blend.enabled,
         recompute_ratio=None if blend is None else blend.recompute_ratio,
         chunk_spans=list(chunk_spans),
+        breakpoints=list(breakpoints),
     )
 
 
@@ -107,7 +108,8 @@ def usage_from(lasts: list[RequestOutput]) -> Usage:
         completion_tokens=completion,
         total_tokens=computed.num_prompt_tokens + completion,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=computed.cached_tokens, blended_tokens=computed.blended_tokens,
+            cached_tokens=computed.cached_tokens, cache_write_tokens=computed.cache_write_tokens,
+            blended_tokens=computed.blended_tokens,
             recomputed_tokens=computed.recomputed_tokens, tier_tokens=TierTokens(**computed.tier_tokens)),
     )
 

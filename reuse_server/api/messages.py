@@ -21,6 +21,7 @@ from reuse_server.api.chat import AnswerStep, PreparedChat, answer_steps, prepar
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.errors import anthropic_error_body, describe_validation_error
 from reuse_server.api.generation import SSEResponse, check_model, named_sse_events
+from reuse_server.api.messages_cache import cache_usage, marked, tool_result_content, with_automatic_breakpoint
 from reuse_server.api.messages_protocol import (AnthropicMessage, CountTokensRequest, CustomTool, HistoryOnlyBlock,
                                                 MessagesRequest, ServerTool, TextBlock)
 from reuse_server.api.protocol import ChatCompletionRequest
@@ -53,7 +54,7 @@ def _text(blocks: str | list[TextBlock] | None) -> str:
 
 
 def _parts(blocks: list) -> list[dict]:
-    return [{"type": "text", "text": b.text} for b in blocks if b.type == "text" and b.text]
+    return [marked({"type": "text", "text": b.text}, b) for b in blocks if b.type == "text" and b.text]
 
 
 def _system_parts(content: str | list[TextBlock]) -> list[dict]:
@@ -97,9 +98,10 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
         text: list[dict] = []  # a user message's text, after the tool results it carries
         for block in blocks:
             if block.type == "tool_result":
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": tool_result_content(block, _text(block.content))})
             elif block.type == "text" and block.text:
-                text.append({"type": "text", "text": block.text})
+                text.append(marked({"type": "text", "text": block.text}, block))
         if text or not any(b.type == "tool_result" for b in blocks):
             out.append({"role": "user", "content": text or ""})
     return out
@@ -113,7 +115,8 @@ def _functions(body: MessagesRequest) -> list[dict] | None:
         logger.warning("left server tool(s) %s out of the prompt: this server does not run them",
                        ", ".join(t.name or t.type for t in server))
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.input_schema}}
+                                              "parameters": t.input_schema},
+             "cache_control": t.cache_control and t.cache_control.model_dump()}
             for t in body.tools or [] if isinstance(t, CustomTool)] or None
 
 
@@ -157,7 +160,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     _log_unapplied_edits(body)
     choice, parallel = _tool_choice(body)
     chat = {
-        "model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
+        "model": body.model, "messages": chat_messages(with_automatic_breakpoint(body)), "max_tokens": body.max_tokens,
         "stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "seed": body.seed, "stream": bool(body.stream), "tool_choice": choice, "parallel_tool_calls": parallel,
         "tools": _functions(body), "response_format": _response_format(body),
@@ -172,11 +175,10 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
 
 
 def usage(last: RequestOutput, output_tokens: int | None = None) -> dict:
-    """Anthropic's usage: input_tokens are the prompt tokens computed, cache_read_input_tokens those reused.
-    Nothing is written to the cache at a price here (every computed block is kept automatically), so
-    cache_creation_input_tokens is 0. blended/recomputed/tier tokens are this server's extensions."""
-    return {"input_tokens": last.num_prompt_tokens - last.cached_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": last.cached_tokens,
+    """Anthropic's usage: cache_read_input_tokens are the prompt tokens reused, cache_creation_input_tokens
+    those computed up to the last cache_control breakpoint (api/messages_cache.py), input_tokens the rest.
+    blended/recomputed/tier tokens are this server's extensions."""
+    return {**cache_usage(last),
             "output_tokens": last.num_output_tokens if output_tokens is None else output_tokens,
             "blended_tokens": last.blended_tokens, "recomputed_tokens": last.recomputed_tokens,
             "tier_tokens": {"host": 0, "disk": 0, "redis": 0, **last.tier_tokens}}

@@ -1,26 +1,15 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request as its documentation
 and the `anthropic` SDK define it (Claude Code's fields included: system messages inside `messages`,
-`thinking`, `output_config`, `context_management`), and the response shapes. `cache_control` is kept on the
-blocks, system blocks and tools it comes on; the cache here is automatic, so it does not change the prompt
-(README, "Anthropic Messages")."""
+`thinking`, `output_config`, `context_management`), and the response shapes. `cache_control` (on blocks,
+system blocks, tools and at the top) sets prompt-cache breakpoints (api/cache_breakpoints.py; README,
+"Anthropic Messages")."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from reuse_server.api.protocol import FUNCTION_NAME, KVBlendOptions, _check_unicode
-
-
-class CacheControl(BaseModel):
-    """A prompt-caching breakpoint ({"type": "ephemeral", "ttl": "5m" | "1h"}). Anthropic defines only
-    "ephemeral" today; another type or ttl is kept as sent rather than refused, since it cannot change the
-    answer."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = "ephemeral"
-    ttl: str | None = None
+from reuse_server.api.protocol import FUNCTION_NAME, CacheControl, KVBlendOptions, _check_unicode
 
 
 class TextBlock(BaseModel):
@@ -233,7 +222,7 @@ class MessagesRequest(BaseModel):
     stream: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    cache_control: CacheControl | None = None  # SDK 2.x's top-level breakpoint
+    cache_control: CacheControl | None = None  # automatic: a breakpoint on the last cacheable block
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None  # the structured-outputs beta's name for output_config.format
@@ -265,6 +254,7 @@ class AnthropicUsage(BaseModel):
     output_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
+    cache_creation: dict[str, int] | None = None  # ephemeral_5m_input_tokens, ephemeral_1h_input_tokens
 
 
 class MessageResponse(BaseModel):

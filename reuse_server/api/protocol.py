@@ -107,6 +107,16 @@ def _check_prompt(value: Any) -> Any:
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
+class CacheControl(BaseModel):
+    """Anthropic's prompt-cache breakpoint, also taken on chat content parts and tools (as OpenRouter and
+    LiteLLM pass it): the prompt up to the end of the marked block is kept for `ttl` (api/cache_breakpoints.py)."""
+
+    model_config = ConfigDict(extra="ignore")  # a newer field of a real client is no reason for a 400
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
 class JSONSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -164,6 +174,7 @@ class ToolDefinition(BaseModel):
 
     type: Literal["function"]
     function: FunctionDefinition
+    cache_control: CacheControl | None = None  # a breakpoint at the end of the tool definitions
 
 
 class FunctionName(BaseModel):
@@ -218,6 +229,12 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"part {i}: only parts of type 'text' are supported, got {kind!r}")
             if not isinstance(part.get("text"), str) or part["text"] == "":
                 raise ValueError(f"part {i}: a text part needs a non-empty 'text' string")
+            if part.get("cache_control") is not None:
+                try:
+                    CacheControl.model_validate(part["cache_control"])
+                except ValueError as exc:
+                    raise ValueError(f"part {i}: cache_control must be {{'type': 'ephemeral', 'ttl': '5m' or "
+                                     f"'1h'}}: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}") from None
         return value
 
 
@@ -292,6 +309,7 @@ class TierTokens(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # prompt tokens computed into whole blocks the cache keeps (README)
     blended_tokens: int = 0
     recomputed_tokens: int = 0
     tier_tokens: TierTokens = Field(default_factory=TierTokens)

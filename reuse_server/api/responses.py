@@ -200,6 +200,7 @@ def usage(last: RequestOutput) -> dict:
     return {"input_tokens": last.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": last.cached_tokens, "blended_tokens": last.blended_tokens,
                                      "recomputed_tokens": last.recomputed_tokens,
+                                     "cache_write_tokens": last.cache_write_tokens,
                                      "tier_tokens": {"host": 0, "disk": 0, "redis": 0, **last.tier_tokens}},
             "output_tokens": last.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}

@@ -65,6 +65,7 @@ class ToolSettings:
     choice: Literal["none", "auto", "required", "function"]
     parallel: bool
     function: str | None = None
+    cache_control: dict | None = None  # a breakpoint after the tool definitions (any tool marked: the longest ttl)
 
     @property
     def parses_calls(self) -> bool:
@@ -89,11 +90,14 @@ def tool_settings(body: ChatCompletionRequest) -> ToolSettings:
                                  "tool_choice")
     if choice == "required" and not tools:
         raise InvalidRequest("tool_choice 'required' needs tools.", "tool_choice")
-    return ToolSettings(tuple(_as_sent(t) for t in tools), choice, body.parallel_tool_calls is not False, function)
+    marks = [t.cache_control.model_dump() for t in tools if t.cache_control is not None]
+    mark = max(marks, key=lambda m: m["ttl"] == "1h") if marks else None
+    return ToolSettings(tuple(_as_sent(t) for t in tools), choice, body.parallel_tool_calls is not False, function,
+                        mark)
 
 
 def _as_sent(tool: ToolDefinition) -> dict:
-    return tool.model_dump(exclude_none=True, by_alias=True)
+    return tool.model_dump(exclude_none=True, by_alias=True, exclude={"cache_control"})
 
 
 # ---------------------------------------------------------------- rendering
@@ -176,6 +180,8 @@ def _fallback(messages: list[dict], settings: ToolSettings) -> list[dict]:
         out.append(m)
     if settings.tools:
         block = {"type": "text", "text": tools_block(settings.tools)}
+        if settings.cache_control is not None:
+            block["cache_control"] = settings.cache_control
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": _parts(out[0].get("content")) + [block]}
         else:

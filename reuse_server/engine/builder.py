@@ -102,7 +102,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         if tiers is not None:
             tiers.events = events
     window = pool.parts if pool.layered else None
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers, window)
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers, window,
+                          config.max_pinned_share)
     if window is not None:
         listeners.listeners.append(blocks)  # last: the tiers copy an evicted block out before its part goes
     chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)

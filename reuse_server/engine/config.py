@@ -58,6 +58,10 @@ class EngineConfig:
     dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
     hash_algo: str = "xxh3_128"
     eviction_policy: str = "lru"
+    # prompt-cache pins (cache_control breakpoints): the share of the pool's blocks one tenant's pins may hold.
+    # A quarter: a tenant's pinned system prompt, tools and conversation stay put while three quarters of the
+    # pool remain for running requests and everyone else's ordinary cache (kv/pins.py, README).
+    max_pinned_share: float = 0.25
     # KV tiers below the device pool (all off by default)
     cpu_cache_size: int = 0  # bytes of host RAM for blocks evicted from the pool
     disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
@@ -112,6 +116,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 <= self.max_pinned_share <= 1.0:
+            problems.append(f"max_pinned_share must be in [0, 1], got {self.max_pinned_share}")
         if self.window_kv_share is not None and not 0 < self.window_kv_share <= 1:
             problems.append(f"window_kv_share must be in (0, 1], got {self.window_kv_share}")
         if self.num_window_blocks is not None and self.num_window_blocks < 2:

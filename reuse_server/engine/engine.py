@@ -53,6 +53,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
         self.prefetches: list[Sequence] = []  # prefetches the pool could not take yet (see prefetch)
         self.metrics = None  # ServerMetrics, attached by the server
+        self.clock = time.monotonic  # what prompt-cache pins expire by (tests pass their own)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)
         self.built_on = threading.get_ident()  # the thread whose OpenMP pool did the loading (AsyncEngine)
@@ -182,7 +183,7 @@ class LLMEngine:
                 self.prefetches.remove(seq)
                 del self.seqs[seq.request_id]
                 outputs.append(out)
-        slices = self.scheduler.schedule()
+        slices = self.scheduler.schedule(self.clock())
         slices = [c for c in slices if c.num_tokens]
         if not slices:
             return outputs
@@ -262,12 +263,17 @@ class LLMEngine:
             num_output_tokens=len(seq.output_ids), cached_tokens=usage.cached_tokens or 0,
             blended_tokens=usage.blended_tokens, recomputed_tokens=usage.recomputed_tokens, logprobs=lp,
             chunk_tokens_stored=usage.chunk_tokens_stored, chunk_tokens_present=usage.chunk_tokens_present,
-            tier_tokens=dict(usage.tier_tokens))
+            tier_tokens=dict(usage.tier_tokens), cache_write_tokens=usage.cache_write_tokens,
+            breakpoint_write_tokens=dict(usage.breakpoint_write_tokens))
 
     # ---- observability --------------------------------------------------------------------
     def snapshot(self) -> dict:
         stats = self.cache.stats()
         return dict(
+            pins=dict(pinned_blocks=stats.pinned_blocks, pinned_tokens=stats.pinned_blocks * self.pool.block_size,
+                      pins=len(self.blocks.pins), given_way=self.blocks.pins_given_way,
+                      budget_blocks_per_tenant=self.blocks.pin_budget,
+                      tenants=self.blocks.pins.stats(self.clock(), self.pool.block_size)),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             free_blocks=stats.free_blocks, evictable_blocks=stats.evictable_blocks,
             in_use_blocks=stats.in_use_blocks, total_blocks=stats.total_blocks,

@@ -28,3 +28,6 @@ class RequestOutput:
     chunk_tokens_stored: int = 0  # precompute requests: tokens newly filed in the chunk index
     chunk_tokens_present: int = 0  # ... and tokens of chunks that were already there
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of cached_tokens, those from host/disk/redis
+    cache_write_tokens: int = 0  # prompt tokens computed into whole blocks the cache now keeps
+    # prompt tokens computed up to the request's last breakpoint, by the breakpoints' time to live in seconds
+    breakpoint_write_tokens: dict[int, int] = field(default_factory=dict)

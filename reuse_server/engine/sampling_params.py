@@ -4,7 +4,7 @@ request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class InvalidRequest(ValueError):
@@ -124,6 +124,14 @@ class SamplingParams:
                     or self.logit_bias)
 
 
+class CacheBreakpoint(NamedTuple):
+    """A prompt-cache breakpoint (Anthropic's `cache_control`): the prompt's first `offset` tokens are kept
+    (whole blocks) for `ttl` seconds from each use (kv/pins.py)."""
+
+    offset: int
+    ttl: float
+
+
 @dataclass
 class CacheOptions:
     """Per-request cache controls (request body extensions)."""
@@ -137,6 +145,8 @@ class CacheOptions:
     # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a
     # separator-delimited piece): what the chunk index registers and looks up
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)
+    # prefixes to pin once computed (the API places each client-marked block's end in the prompt)
+    breakpoints: list[CacheBreakpoint] = field(default_factory=list)
 
     @property
     def namespace(self) -> bytes:

@@ -17,6 +17,11 @@ After the forward, `update` (vLLM's update_from_output, nano-vllm's postprocess)
 closes a blended prefill's job once its prompt is computed (registering its chunks), appends each sampled
 token, checks the stop conditions, and finishes and releases what ended: a request leaves the scheduler
 only through `update` or `abort`, and its blocks are given back there.
+
+Prompt-cache pins live by the clock passed to `schedule(now)`: expired pins are released before anything is
+scheduled, an admission renews the pins its match reads, and a prompt computed pins its breakpoints (in
+`update`, at the same step's time). A pool that cannot admit a request while nothing runs (so no block will
+come back) makes the least recently used pin give way instead of leaving the request waiting for ever.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from reuse_server.kv.block_manager import BlockManager
+from reuse_server.kv.pins import breakpoint_writes
 from reuse_server.engine.sequence import SeqStatus, Sequence
 
 CACHE_AWARE_QUEUE_LIMIT = 128  # beyond this, matching every waiting prompt each step costs too much: FCFS
@@ -81,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.now = time.monotonic()  # the step's time (schedule's `now`): pins are renewed and made at it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,7 +124,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> list[StepSlice]:
+    def schedule(self, now: float | None = None) -> list[StepSlice]:
+        """The step's work. now: the engine's clock (default: time.monotonic), by which pins expire."""
+        self.now = time.monotonic() if now is None else now
+        self.blocks.expire_pins(self.now)
         budget = self.max_num_batched_tokens
         batch: list[StepSlice] = []
 
@@ -148,12 +158,16 @@ class Scheduler:
             if (in_flight and not blends
                     and self.blocks.next_uncached_block(seq, cached.get(id(seq))) in in_flight):
                 continue  # another request is computing its next block: hit it next step instead
-            admission = self.blocks.admit(seq, budget, self.blender.approximate_namespace(seq) if blends else None)
+            approximate = self.blender.approximate_namespace(seq) if blends else None
+            admission = self.blocks.admit(seq, budget, approximate)
+            while admission is None and not self.running and self.blocks.give_way():
+                admission = self.blocks.admit(seq, budget, approximate)  # pins held the blocks no one else would free
             if admission is None:
                 break  # the pool is full: wait for blocks to come back
             if blends and not self.blender.admit(seq):
                 self.blocks.release(seq)
                 break
+            self.blocks.renew_pins(seq, self.now)
             self.waiting.remove(seq)
             seq.queue.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -240,6 +254,11 @@ class Scheduler:
         if self.blender is not None and (not seq.generates or self.blends(seq)):
             skip = job.chunk_starts if job is not None else set()
             usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, skip=skip)
+        cached = usage.cached_tokens or 0
+        usage.cache_write_tokens = self.blocks.stored_prompt_tokens(seq, cached)
+        if seq.options.breakpoints and self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
+            usage.breakpoint_write_tokens = breakpoint_writes(seq.options.breakpoints, len(seq.prompt_ids), cached)
+        self.blocks.pin_breakpoints(seq, self.now)
         return True
 
     def _append(self, seq: Sequence, token: int) -> SeqUpdate:

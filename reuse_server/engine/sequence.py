@@ -71,6 +71,8 @@ class Usage:
     first_token_time: float | None = None
     chunk_tokens_stored: int = 0  # chunks this request filed in the chunk index
     chunk_tokens_present: int = 0  # chunks it would have filed that were there already
+    cache_write_tokens: int = 0  # prompt tokens it computed into whole blocks the cache keeps (OpenAI's writes)
+    breakpoint_write_tokens: dict[int, int] = field(default_factory=dict)  # {ttl s: tokens} (Anthropic's writes)
 
 
 @dataclass(eq=False)

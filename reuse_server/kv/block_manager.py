@@ -21,6 +21,11 @@ own (`kv/window_parts.py`), which this class alone changes: every block a sequen
 the parts of blocks that leave the sequence's window are unpinned as it advances (freed where the sequence
 owns the block, cached where the tree holds it); and a match is usable only up to where the window before the
 reuse point still has its parts (`_window_usable`). The tree's eviction of a block frees its part (`removed`).
+
+Prompt-cache pins (`kv/pins.py`) are the block manager's too: a computed prompt's breakpoints pin their prefixes
+(`pin_breakpoints`), an admission that reads a pinned prefix renews it (`renew_pins`), and pins expire by the
+clock the scheduler passes in (`expire_pins`) or give way (a tenant past its share of the pool, or a pool that
+cannot admit anyone while nothing runs: `give_way`).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from typing import Callable, NamedTuple
 from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
 
 from reuse_server.engine.sequence import KVState, Sequence
+from reuse_server.kv.pins import Pin, PinTable
 from reuse_server.kv.window_parts import WindowParts
 
 # Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
@@ -84,7 +90,7 @@ class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
                  copy_blocks: Callable[[list[int], list[int]], None] | None = None,
                  clear_blocks: Callable[[list[int]], None] | None = None, tiers=None,
-                 window: WindowParts | None = None) -> None:
+                 window: WindowParts | None = None, max_pinned_share: float = 0.25) -> None:
         """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
         accounting alone); clear_blocks: the pool's reset of blocks a sequence newly takes (an fp8 pool's
         block scales must not carry a previous owner's range); tiers: the KV tiers below the pool
@@ -97,6 +103,9 @@ class BlockManager:
         self.clear_blocks = clear_blocks
         self.tiers = tiers
         self.window = window
+        self.pins = PinTable()
+        self.pin_budget = int(max_pinned_share * cache.num_blocks)  # blocks, per tenant
+        self.pins_given_way = 0  # pins released before their time (a tenant's share, a full pool)
 
     @staticmethod
     def publish_namespace(seq: Sequence) -> bytes:
@@ -504,6 +513,68 @@ class BlockManager:
         if block in kv.owned and self.cache.insert_tail(
                 kv.node, seq.token_ids[full * self.block_size:kv.num_computed], block) is not None:
             kv.owned.discard(block)
+
+    # ---- prompt-cache pins ------------------------------------------------------------------------
+    def pin_breakpoints(self, seq: Sequence, now: float) -> None:
+        """seq's prompt is computed: pin the whole blocks up to each of its breakpoints (a pin there already is
+        renewed), then hold its tenant to its share of the pool, its least recently used pins giving way."""
+        kv = seq.kv
+        if not seq.options.breakpoints or not self._caches(seq) or kv.approximate or kv.unpublishable:
+            return
+        tenant = seq.options.tenant or ""
+        for bp in seq.options.breakpoints:
+            blocks = min(bp.offset, len(seq.prompt_ids)) // self.block_size
+            if not blocks:
+                continue
+            match = self.cache.match(seq.prompt_ids[:blocks * self.block_size], seq.namespace, record_stats=False)
+            if not match.block_ids:
+                continue
+            pin = self.pins.get(match.node)
+            if pin is not None:
+                pin.renew(now, bp.ttl)
+                continue
+            window = []
+            if self.window is not None:  # the window before the reuse point, which a hit needs whole
+                window = [b for b in match.block_ids[self.window.first_needed(match.num_tokens):] if self.window.has(b)]
+                self.window.pin(window)
+            self.cache.pin(match.node)
+            self.pins.add(match.node, tenant, match.num_tokens, bp.ttl, now, window)
+        while self.pins.blocks_of(tenant) > self.pin_budget:
+            self._unpin(self.pins.oldest(tenant))
+            self.pins_given_way += 1
+
+    def renew_pins(self, seq: Sequence, now: float) -> None:
+        """seq was admitted reading its matched prefix: the pins inside it live on from now."""
+        for pin in self.pins.on_path(seq.kv.node):
+            pin.renew(now)
+
+    def expire_pins(self, now: float) -> int:
+        """Release the pins whose time is up (their blocks become ordinary cache); how many."""
+        expired = self.pins.expired(now)
+        for pin in expired:
+            self._unpin(pin)
+        return len(expired)
+
+    def give_way(self) -> bool:
+        """Release the least recently used pin of any tenant (the pool must admit a request); False if none."""
+        pin = self.pins.oldest()
+        if pin is None:
+            return False
+        self._unpin(pin)
+        self.pins_given_way += 1
+        return True
+
+    def _unpin(self, pin: Pin) -> None:
+        self.pins.remove(pin)
+        if pin.window_blocks:
+            self.window.unpin(pin.window_blocks)
+        self.cache.unpin(pin.node)
+
+    def stored_prompt_tokens(self, seq: Sequence, cached_tokens: int) -> int:
+        """OpenAI's cache writes: the prompt tokens seq computed into whole blocks that the cache now keeps."""
+        if not self._caches(seq) or seq.kv.unpublishable:
+            return 0
+        return max(0, len(seq.prompt_ids) // self.block_size * self.block_size - cached_tokens)
 
     def release(self, seq: Sequence) -> None:
         """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached, and

@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hash that names KV blocks by their token prefix")
     serve.add_argument("--eviction-policy", default=defaults.eviction_policy, choices=["lru", "lfu"],
                        help="which cached blocks to drop first when the pool is full")
+    serve.add_argument("--max-pinned-share", type=float, default=defaults.max_pinned_share, metavar="F",
+                       help="the share of the KV pool's blocks one tenant's prompt-cache pins (Anthropic "
+                            "cache_control breakpoints) may hold; past it its least recently used pin gives way "
+                            f"(default: {defaults.max_pinned_share}; 0 pins nothing)")
     tiers = serve.add_argument_group(
         "KV tiers", "Where blocks go when the device pool evicts them, and where a prompt's missing blocks are "
         "looked for (host RAM, then disk, then Redis). Off unless given.")
@@ -372,7 +376,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
         dedup_prefill=not args.no_prefill_dedup,
-        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy,
+        hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, max_pinned_share=args.max_pinned_share,
         cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,
         disk_write_policy=args.disk_write_policy, host_write_policy=args.host_write_policy,
         tier_fetch=args.tier_fetch, redis_url=args.redis_url, redis_timeout=args.redis_timeout,

@@ -30,11 +30,21 @@ class _SnapshotCollector:
         for key, (name, doc) in COUNTERS.items():
             if key in snap:
                 yield CounterMetricFamily(name, doc, value=snap[key])
-        blocks = GaugeMetricFamily("kvreuse_kv_blocks", "KV cache blocks by state.", labels=["state"])
-        for state in ("free", "evictable", "in_use"):
-            blocks.add_metric([state], snap[f"{state}_blocks"])
+        pins = snap.get("pins")
+        pinned = pins["pinned_blocks"] if pins is not None else 0
+        # in_use is what running requests hold; blocks kept only by prompt-cache pins (cache_control
+        # breakpoints) are a state of their own, so the four states add up to the pool
+        blocks = GaugeMetricFamily("kvreuse_kv_blocks", "KV cache blocks by state (free, evictable, pinned by "
+                                   "cache_control breakpoints, in use by requests).", labels=["state"])
+        for state, value in (("free", snap["free_blocks"]), ("evictable", snap["evictable_blocks"]),
+                             ("pinned", pinned), ("in_use", snap["in_use_blocks"] - pinned)):
+            blocks.add_metric([state], value)
         yield blocks
         yield GaugeMetricFamily("kvreuse_kv_blocks_total", "KV cache blocks in the pool.", value=snap["total_blocks"])
+        if pins is not None:
+            yield CounterMetricFamily("kvreuse_kv_pins_given_way", "Prompt-cache pins released before their time "
+                                      "(a tenant past --max-pinned-share, a pool that could admit no one).",
+                                      value=pins["given_way"])
         yield GaugeMetricFamily("kvreuse_requests_running", "Requests being decoded or prefilled.",
                                 value=snap["running"])
         yield GaugeMetricFamily("kvreuse_requests_waiting", "Requests queued for admission.", value=snap["waiting"])

@@ -313,8 +313,8 @@ def test_chat_stream_frames_match_openai():
     assert finish["delta"] == {} and finish["finish_reason"] == "length"
     assert events[-1]["choices"] == []
     assert events[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                                   "prompt_tokens_details": {"cached_tokens": 4, "blended_tokens": 0,
-                                                             "recomputed_tokens": 0,
+                                   "prompt_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0,
+                                                             "blended_tokens": 0, "recomputed_tokens": 0,
                                                              "tier_tokens": {"host": 0, "disk": 0, "redis": 0}}}
     assert all("usage" not in e for e in events[:-1])
 

@@ -48,6 +48,11 @@ TASKS = {"type": "custom", "name": "TaskUpdate", "description": "Updates a task.
 WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
 
 
+
+def prompt_tokens(usage: dict) -> int:
+    """The whole prompt, as Anthropic splits it: computed, read from the cache, and written at breakpoints."""
+    return usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+
 def system_blocks(suffix: str, instructions: str) -> list[dict]:
     return [{"type": "text", "text": BILLING.format(suffix)},
             {"type": "text", "text": "You are an agent for tests.", "cache_control": {"type": "ephemeral"}},
@@ -123,7 +128,7 @@ def test_a_claude_code_request_streams_a_whole_answer(server_and_log):
     assert names.count("content_block_start") == names.count("content_block_stop")
     delta = stream[-2][1]
     assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
-    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == count(server, body)
+    assert prompt_tokens(delta["usage"]) == count(server, body)
     # the server tool is left out of the prompt and said so, not refused
     assert "left server tool(s) web_search out of the prompt" in log_path.read_text()
 
@@ -144,7 +149,7 @@ def test_system_messages_are_rendered_where_they_are_sent(server):
     response = post(server, {**body, "stream": False, "max_tokens": 1})
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(rendered)
+    assert prompt_tokens(usage) == len(rendered)
     assert usage["cache_read_input_tokens"] >= len(rendered) - BLOCK
 
 
@@ -157,9 +162,9 @@ def test_the_billing_header_does_not_change_the_prompt(server):
     counted = count(server, first)
     assert count(server, second) == counted == count(server, without)
     one = post(server, {**first, "stream": False, "max_tokens": 1}).json()["usage"]
-    assert one["input_tokens"] + one["cache_read_input_tokens"] == counted
+    assert prompt_tokens(one) == counted
     two = post(server, {**second, "stream": False, "max_tokens": 1}).json()["usage"]
-    assert two["input_tokens"] + two["cache_read_input_tokens"] == counted
+    assert prompt_tokens(two) == counted
     assert two["cache_read_input_tokens"] >= counted - BLOCK
 
 
@@ -218,7 +223,7 @@ def test_documented_fields_are_accepted_on_both_routes(server, extra):
     response = post(server, body)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
-    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == count(server, body)
+    assert prompt_tokens(usage) == count(server, body)
 
 
 def test_output_config_format_constrains_the_answer(client):

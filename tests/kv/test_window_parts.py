@@ -153,3 +153,31 @@ def test_a_chain_whose_window_parts_were_evicted_is_matched_only_where_a_window_
         rig.check([again])
     rig.blocks.release(again)
     rig.check([])
+
+
+def test_a_pinned_prefix_keeps_the_window_parts_a_hit_needs_until_its_pin_ends():
+    """Prompt-cache pins on a hybrid pool: the window before the breakpoint keeps its parts while other prompts
+    take every unpinned part, so a later prompt still hits the whole pinned prefix; once the pin expires
+    the parts are ordinary cache again and nothing stays pinned."""
+    from reuse_server.engine.sampling_params import CacheBreakpoint
+
+    rig = Rig(num_blocks=40, num_window_blocks=12)
+    rng = random.Random(77)
+    marked = [rng.randrange(1, 90) for _ in range(24)]
+    seq = Sequence("pin", marked + [1, 2], SamplingParams(max_tokens=1),
+                   CacheOptions(breakpoints=[CacheBreakpoint(24, 300.0)]))
+    assert rig.blocks.admit(seq, 64) is not None and rig.compute(seq, 64)
+    rig.blocks.pin_breakpoints(seq, now=0.0)
+    rig.blocks.release(seq)
+    for i in range(6):  # other prompts take the window pool's parts over and over
+        other = rig.seq([rng.randrange(1, 90) for _ in range(20)])
+        assert rig.blocks.admit(other, 64) is not None and rig.compute(other, 64)
+        rig.blocks.release(other)
+        rig.check([])
+    assert rig.pool.parts.evicted > 0
+    again = rig.seq(marked + [5, 6, 7])
+    assert rig.blocks.admit(again, 64).cached_tokens == 24, "the window before the pinned prefix lost its parts"
+    rig.blocks.release(again)
+    assert rig.blocks.expire_pins(now=300.0) == 1
+    rig.check([])
+    assert rig.pool.parts.stats()["window_blocks_pinned"] == 0 and rig.cache.stats().in_use_blocks == 0

@@ -1,8 +1,9 @@
-"""Property tests: random interleavings of match / insert / tails / lock / unlock / allocate / free / evict.
+"""Property tests: random interleavings of match / insert / tails / lock / unlock / pin / unpin / allocate /
+free / evict.
 
 After every step the cache's own invariant check must pass (free + evictable + in use == total, no
 block in two states, counters and eviction queue agree with the tree), locked blocks must never have
-been evicted, every stored and removed full block must be reported to the listener with its hash, parent hash,
+been evicted, pinned blocks are exactly the blocks on pinned paths and never evicted, every stored and removed full block must be reported to the listener with its hash, parent hash,
 tokens and namespace, and every match must return exactly the longest cached prefix, each block holding
 KV for the very tokens (and namespace) of the prompt. A reference model tracks what each tree block holds.
 """
@@ -44,6 +45,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.holds = {}  # tree block id of a full block -> (namespace, tokens of the whole prefix through that block)
         self.tails = {}  # tree block id of a tail -> (namespace, tokens of the prefix through the tail)
         self.locks = []  # (node, block ids on its path) per outstanding lock
+        self.pins = []  # (node, block ids on its path) per outstanding pin
         self.owned = []  # caller-owned block ids
         self.filed = []  # (prompt, namespace) of requests that filed a tail
         self.partial_hits = 0
@@ -55,9 +57,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             self.reported[r.block_id] = r
 
     def removed(self, records):
-        locked = {b for _, ids in self.locks for b in ids}
+        locked = {b for _, ids in self.locks + self.pins for b in ids}
         for r in records:
-            assert r.block_id not in locked, "a locked block was evicted"
+            assert r.block_id not in locked, "a locked or pinned block was evicted"
             assert self.reported.pop(r.block_id) == r, "removed a block as other than it was stored"
             (self.holds if r.named else self.tails).pop(r.block_id)
 
@@ -215,6 +217,22 @@ class RadixCacheMachine(RuleBasedStateMachine):
         node, _ = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
         self.cache.unlock(node)
 
+    @rule(prompt=prompts, namespace=namespaces)
+    def pin(self, prompt, namespace):
+        """A prompt-cache breakpoint: the cached prefix of a prompt is pinned (the block manager pins what
+        it matched, whole blocks)."""
+        m = self.cache.match(prompt, namespace, record_stats=False)
+        self.check_match(m, prompt, namespace)
+        if m.block_ids:
+            self.cache.pin(m.node)
+            self.pins.append((m.node, list(m.block_ids)))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        node, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.cache.unpin(node)
+
     @rule(n=st.integers(0, NUM_BLOCKS))
     def evict(self, n):
         evictable = self.cache.stats().evictable_blocks
@@ -232,7 +250,20 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert s.cached_blocks == len(self.all_blocks())
         assert s.cached_tokens == len(self.holds) * BS + sum(len(t) % BS for _, t in self.tails.values())
         assert set(self.reported) == set(self.all_blocks()), "the events disagree with the tree's blocks"
-        assert s.in_use_blocks >= len(self.owned) + len({b for _, ids in self.locks for b in ids})
+        assert s.in_use_blocks >= len(self.owned) + len({b for _, ids in self.locks + self.pins for b in ids})
+        assert s.pinned_blocks == len({b for _, ids in self.pins for b in ids}), "pinned count is not the pinned paths"
+        for _, ids in self.pins:  # a pinned prefix is still in the tree, holding what it held
+            assert all(b in self.holds for b in ids)
+
+    def teardown(self):
+        """Every pin released, nothing stays pinned or locked by pins: pins never leak."""
+        for node, _ in self.pins:
+            self.cache.unpin(node)
+        for node, _ in self.locks:
+            self.cache.unlock(node)
+        self.cache.check_invariants()
+        s = self.cache.stats()
+        assert s.pinned_blocks == 0 and s.in_use_blocks == len(self.owned)
 
 
 class LFUCollidingRadixCacheMachine(RadixCacheMachine):
