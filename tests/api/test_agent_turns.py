@@ -11,7 +11,9 @@ import importlib.util
 import openai
 import pytest
 
-from reuse_server.api.chat_template import render_chat_prompt
+from blend.chunking import encode
+from reuse_server.api.chat_template import render_chat_prompt, render_continuation
+from reuse_server.api.prompt_chunks import PromptChunks
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import call_text, parse_tool_calls, tool_settings, tools_block
 from reuse_server.model import load_tokenizer, resolve_model
@@ -81,6 +83,22 @@ def test_the_call_written_back_parses_to_what_the_model_wrote(tokenizer):
     assert written in text
     answer = parse_tool_calls(written)
     assert answer.content is None and [(c.name, c.arguments) for c in answer.calls] == [("get_weather", ARGUMENTS)]
+
+
+def test_a_stored_call_continues_into_the_next_step(tokenizer):
+    """A stored answer (Responses' previous_response_id) continued with the tool's output: the stored prompt,
+    the call's tokens and the end of turn the model sampled, then the template's rendering of the output, are
+    the whole next step's prompt, token for token."""
+    opening, called = steps()[0], steps()[1]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>" if "gemma" in tokenizer.name_or_path
+                                                  else "<|im_end|>")
+    first = rendered(tokenizer, opening)
+    stored = PromptChunks(first.token_ids + list(encode(tokenizer, call_text("get_weather", ARGUMENTS)))
+                          + [end_of_turn], first.chunk_spans)
+    body = ChatCompletionRequest(messages=called, tools=[WEATHER])
+    new = body.messages[len(opening) + 1:]  # the tool's output
+    continued = render_continuation(tokenizer, new, tool_settings(body), stored, {end_of_turn})
+    assert continued is not None and continued.token_ids == rendered(tokenizer, called).token_ids
 
 
 @needs_gemma
