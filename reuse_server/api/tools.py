@@ -20,6 +20,15 @@ them as transformers passes them, with each call's arguments as an object. A tem
 Parts are joined with "\\n" like any content parts. Tools are rendered whatever tool_choice says ("none"
 included), so the prompt's prefix stays the same from one agent step to the next.
 
+Gemma 3 (our template, model/chat_templates.py) gets this fallback inside its turns: the system message with
+the block lands in the first user turn (where Google's "Function calling with Gemma" describes tools), calls in
+the model turn, tool outputs in the user turn. Google's own forms were measured against it
+(benchmarks/bench_gemma_tool_form.py): a call as Python (`[f(a=1)]`) or as bare `{"name": ..., "parameters":
+...}`, in a ```tool_code``` block. Shown the tools and a question needing one, the 270M base model wrote a call
+in none of the three forms by itself (0 of 8 each: it repeats the prompt), so its calls come from the grammar
+below, which needs tags around a JSON call: a Python call cannot be held to a parameters schema, and a bare
+JSON call opens with nothing that tells it from a JSON answer (response_format).
+
 Decoding. With tool_choice "auto" the model may write text, but once it writes `<tool_call>` the rest of
 the call is held to a known function's name and its parameters' schema; "required" allows only calls,
 a named function only that one call (structured_output.py compiles these as xgrammar structural tags).

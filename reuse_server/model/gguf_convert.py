@@ -35,7 +35,8 @@ from .quant_weights import WEIGHT_DTYPES, kind_for, metadata_entry, to_tensors
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = "3"  # bump when the folder layout changes, so old caches are not reused
+CONVERTER_VERSION = "4"  # bump when the folder layout or what it holds (a fallback chat template) changes,
+#                          so old caches are not reused
 _PERMUTED_ARCHITECTURES = {"llama"}  # GGUF archs whose Q/K rows llama.cpp's converter permuted
 _SUPPORTED_GGUF_ARCHITECTURES = {"llama", "qwen2", "gemma3"}
 _NORMS_STORED_AS_ONE_PLUS_W = {"gemma3"}  # llama.cpp's converter adds 1 to Gemma's norm weights

@@ -131,7 +131,7 @@ CHATS = [
 
 
 def rendering(tokenizer, chat, **kwargs):
-    """The rendered chat, or the template's error (Gemma's refuses a tool turn) by type and message."""
+    """The rendered chat, or the template's error (a template may refuse a conversation) by type and message."""
     try:
         return tokenizer.apply_chat_template(chat, **kwargs)
     except Exception as exc:
