@@ -16,8 +16,8 @@ from reuse_server.api.generation import (ChoiceOutputs, cache_options, check_com
                                          compile_constraint, generate_choices, sampling_params)
 from reuse_server.api.prompt_chunks import PromptChunks
 from reuse_server.api.protocol import ChatCompletionRequest
-from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, output_constraint,
-                                    parse_tool_calls, tool_settings)
+from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, parse_tool_calls,
+                                    tool_settings)
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
@@ -69,7 +69,7 @@ async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, re
     if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
     params = sampling_params(body, max_tokens, logprobs)
-    params.grammar = await compile_constraint(request, output_constraint(tools, body.response_format))
+    params.grammar = await compile_constraint(request, tools, body.response_format)
     engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
     return PreparedChat(request_id, prompt_ids, params, tools, cache_options(body, chunk_spans, request.state.tenant),
                         body.n or 1, list(chunk_spans))

@@ -17,10 +17,11 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNotFound, error_body, service_error
-from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
+from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, ResponseFormat, TierTokens, Usage
+from reuse_server.api.tools import ToolSettings, output_grammar
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
-from reuse_server.engine.structured_output import Constraint
+from reuse_server.engine.structured_output import Grammar
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -65,12 +66,12 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
     return params
 
 
-async def compile_constraint(request: Request, constraint: Constraint | None):
-    """The compiled grammar for a request's constraint (None: unconstrained), compiled on a worker thread so
-    that neither the event loop nor the engine waits for it; the server's GrammarCompiler caches it."""
-    if constraint is None:
-        return None
-    return await asyncio.to_thread(request.app.state.grammars.compile, constraint)
+async def compile_constraint(request: Request, tools: ToolSettings | None,
+                             response_format: ResponseFormat | None) -> Grammar | None:
+    """The compiled grammar for a request's tools and response_format (None: unconstrained; tools.output_grammar),
+    compiled on a worker thread so that neither the event loop nor the engine waits for it; the server's
+    GrammarCompiler caches it."""
+    return await asyncio.to_thread(output_grammar, request.app.state.grammars, tools, response_format)
 
 
 def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
