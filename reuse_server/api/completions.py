@@ -60,7 +60,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> C
 
 
 async def create_completion(engine, body: CompletionRequest, request: Request) -> Response:
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     check_common(body)
     if body.echo:
         raise InvalidRequest("echo is not supported.", "echo")
@@ -71,7 +71,7 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
     prompt_ids, chunk_spans = await completion_prompt_ids(engine, body, request)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     params.grammar = await compile_constraint(request, None, body.response_format)
-    engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
+    params = engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

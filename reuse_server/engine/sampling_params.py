@@ -22,7 +22,9 @@ SAMPLING_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    # None: as many as the context leaves (OpenAI's default for chat); LLMEngine.validate fits it to the context
+    # and the server's --max-tokens, so a validated request always has a number here
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
@@ -42,15 +44,9 @@ class SamplingParams:
     # a structured_output.Grammar the output must match: JSON, tool calls
     grammar: Any = field(default=None, compare=False, repr=False)
 
-    def validate(self, max_new_tokens_allowed: int | None = None) -> None:
-        if self.max_tokens < 1:
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
-        if max_new_tokens_allowed is not None and self.max_tokens > max_new_tokens_allowed:
-            raise InvalidRequest(
-                f"max_tokens is {self.max_tokens}, but the prompt leaves room for at most "
-                f"{max_new_tokens_allowed} new tokens in the model's context.",
-                "max_tokens",
-            )
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}.", "temperature")
         if not 0.0 < self.top_p <= 1.0:
