@@ -16,8 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from reuse_server.api.chat_template import user_turn_opening
-from reuse_server.api.errors import ModelNotFound
-from reuse_server.api.generation import until_done_or_disconnected
+from reuse_server.api.generation import check_model, until_done_or_disconnected
 from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest
@@ -79,8 +78,7 @@ def chunk_result(index: int, num_tokens: int, out: RequestOutput | None, min_tok
 
 
 async def precompute_chunks(engine, body: CacheChunksRequest, request: Request) -> Response:
-    if body.model is not None and body.model != engine.model_id:
-        raise ModelNotFound(body.model, engine.model_id)
+    check_model(body, engine.model_names)
     tenant = request.state.tenant
     tokenizing = request.app.state.tokenizing
     chunks, opening = await tokenizing.run(tokenize_chunks, tokenizing.tokenizer_for(tenant), body.chunks)

@@ -12,15 +12,13 @@ from fastapi.responses import Response
 from reuse_server.api.cache_chunks import last_output
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.completions import completion_prompt
-from reuse_server.api.errors import ModelNotFound
-from reuse_server.api.generation import until_done_or_disconnected
+from reuse_server.api.generation import check_model, until_done_or_disconnected
 from reuse_server.api.protocol import CachePrefetchRequest, CachePrefetchResponse, TierTokens
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 
 async def prefetch(engine, body: CachePrefetchRequest, request: Request) -> Response:
-    if body.model is not None and body.model != engine.model_id:
-        raise ModelNotFound(body.model, engine.model_id)
+    check_model(body, engine.model_names)
     tenant = request.state.tenant
     tokenizing = request.app.state.tokenizing
     tokenizer = tokenizing.tokenizer_for(tenant)

@@ -16,8 +16,8 @@ from reuse_server.api.generation import (ChoiceOutputs, cache_options, check_com
                                          compile_constraint, generate_choices, sampling_params)
 from reuse_server.api.prompt_chunks import PromptChunks
 from reuse_server.api.protocol import ChatCompletionRequest
-from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, output_constraint,
-                                    parse_tool_calls, tool_settings)
+from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, parse_tool_calls,
+                                    tool_settings)
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheBreakpoint, CacheOptions, SamplingParams
 
@@ -69,16 +69,15 @@ async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, re
                        logprobs: int | None = None, render: PromptRenderer = render_chat_prompt) -> PreparedChat:
     """Validate, render and tokenize (on a worker thread), compile the output constraint; raises
     InvalidRequest (a 400) for anything the engine could not run."""
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     check_common(body)
     prompt, breakpoints, tools = await marked_chat_prompt(body, request, render)
     prompt_ids, chunk_spans = prompt.token_ids, prompt.chunk_spans
+    # None (OpenAI's default for chat): whatever room the context leaves; the engine fits any limit to that room
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:  # OpenAI's default for chat: whatever room the context leaves
-        max_tokens = max(1, engine.max_model_len - len(prompt_ids))
     params = sampling_params(body, max_tokens, logprobs)
-    params.grammar = await compile_constraint(request, output_constraint(tools, body.response_format))
-    engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
+    params.grammar = await compile_constraint(request, tools, body.response_format)
+    params = engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
     options = cache_options(body, chunk_spans, request.state.tenant, breakpoints)
     return PreparedChat(request_id, prompt_ids, params, tools, options, body.n or 1, list(chunk_spans))
 

@@ -15,7 +15,6 @@ from reuse_server.api.generation import (SSEResponse, cache_options, check_commo
                                          usage_from)
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from reuse_server.api.tools import output_constraint
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -61,7 +60,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> C
 
 
 async def create_completion(engine, body: CompletionRequest, request: Request) -> Response:
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     check_common(body)
     if body.echo:
         raise InvalidRequest("echo is not supported.", "echo")
@@ -71,8 +70,8 @@ async def create_completion(engine, body: CompletionRequest, request: Request) -
         raise InvalidRequest(f"Only best_of=1 is supported, got best_of={body.best_of}.", "best_of")
     prompt_ids, chunk_spans = await completion_prompt_ids(engine, body, request)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
-    params.grammar = await compile_constraint(request, output_constraint(None, body.response_format))
-    engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
+    params.grammar = await compile_constraint(request, None, body.response_format)
+    params = engine.validate_prompt(prompt_ids, params)  # before any 200 goes out and before any KV block is touched
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())

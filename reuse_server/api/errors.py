@@ -16,7 +16,7 @@ from reuse_server.api.auth import Unauthorized
 from reuse_server.api.protocol import ErrorDetail, ErrorResponse
 from reuse_server.engine.request_errors import (EngineStalled, EngineUnavailable, QueueFull, RequestTimedOut,
                                                 ServerDraining)
-from reuse_server.engine.sampling_params import AnswerDoesNotFit, InvalidRequest, PromptTooLong
+from reuse_server.engine.sampling_params import InvalidRequest, PromptTooLong
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -67,15 +67,12 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 def anthropic_message(exc: InvalidRequest) -> str:
     """An invalid request's message as Anthropic words it where clients read the words: Claude Code compacts
-    its conversation on `prompt is too long: N tokens > M maximum` and retries with a smaller max_tokens on
-    `input length and `max_tokens` exceed context limit: P + T > L, ...` (both matched by regular expressions
-    in Claude Code 2.1.197). Anthropic's maximum is the longest prompt: here one token less than the context,
-    which must leave room for one token of answer."""
+    its conversation on `prompt is too long: N tokens > M maximum` (matched by a regular expression in Claude
+    Code 2.1.197). Anthropic's maximum is the longest prompt: here one token less than the context, which must
+    leave room for one token of answer. (Its other overflow, `input length and `max_tokens` exceed context
+    limit`, never happens here: a max_tokens beyond the room left is fitted to it.)"""
     if isinstance(exc, PromptTooLong):
         return f"prompt is too long: {exc.prompt_tokens} tokens > {exc.limit - 1} maximum"
-    if isinstance(exc, AnswerDoesNotFit):
-        return (f"input length and `max_tokens` exceed context limit: {exc.prompt_tokens} + {exc.max_tokens} > "
-                f"{exc.limit}, decrease input length or `max_tokens` and try again")
     return exc.message
 
 

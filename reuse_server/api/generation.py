@@ -17,10 +17,12 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNotFound, error_body, service_error
-from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, TierTokens, Usage
+from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, ResponseFormat, TierTokens, Usage
+from reuse_server.api.tools import ToolSettings, output_grammar
+from reuse_server.engine.model_names import ModelNames
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
-from reuse_server.engine.structured_output import Constraint
+from reuse_server.engine.structured_output import Grammar
 
 logger = logging.getLogger("reuse_server.api")
 
@@ -28,9 +30,10 @@ DISCONNECT_POLL_SECONDS = 0.2
 T = TypeVar("T")
 
 
-def check_model(body: GenerationRequest, served: str) -> None:
-    if body.model is not None and body.model != served:
-        raise ModelNotFound(body.model, served)
+def check_model(body: BaseModel, names: ModelNames) -> None:
+    """404 unless the request names no model or one the server answers to (engine/model_names.py)."""
+    if body.model is not None and not names.accepts(body.model):
+        raise ModelNotFound(body.model, names.id)
 
 
 MAX_CHOICES = 16
@@ -43,7 +46,7 @@ def check_common(body: GenerationRequest) -> None:
         raise InvalidRequest("stream_options is only allowed when stream is true.", "stream_options")
 
 
-def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(body: GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The request's sampling parameters (range-checked with the prompt by the engine's validate_prompt)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     defaults = SamplingParams()
@@ -65,12 +68,12 @@ def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: int | No
     return params
 
 
-async def compile_constraint(request: Request, constraint: Constraint | None):
-    """The compiled grammar for a request's constraint (None: unconstrained), compiled on a worker thread so
-    that neither the event loop nor the engine waits for it; the server's GrammarCompiler caches it."""
-    if constraint is None:
-        return None
-    return await asyncio.to_thread(request.app.state.grammars.compile, constraint)
+async def compile_constraint(request: Request, tools: ToolSettings | None,
+                             response_format: ResponseFormat | None) -> Grammar | None:
+    """The compiled grammar for a request's tools and response_format (None: unconstrained; tools.output_grammar),
+    compiled on a worker thread so that neither the event loop nor the engine waits for it; the server's
+    GrammarCompiler caches it."""
+    return await asyncio.to_thread(output_grammar, request.app.state.grammars, tools, response_format)
 
 
 def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:

@@ -288,7 +288,7 @@ async def message_events(engine, chat: PreparedChat,
 
 async def count_tokens(engine, body: CountTokensRequest, request: Request) -> Response:
     """The prompt's length as /v1/messages would render it (tools included)."""
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     chat = chat_request(body.model_copy(update={"max_tokens": 1, "stream": False}))
     tokenizing = request.app.state.tokenizing
     prompt = await tokenizing.run(render_chat_prompt, tokenizing.tokenizer_for(request.state.tenant),

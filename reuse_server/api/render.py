@@ -18,14 +18,14 @@ from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest
 
 async def render_completion(engine, body: CompletionRequest, request: Request) -> JSONResponse:
     """A list with one entry per prompt (vLLM renders batches; we take one prompt a request)."""
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     prompt_ids, _ = await completion_prompt_ids(engine, body, request)
     return JSONResponse([{"request_id": f"cmpl-{uuid.uuid4().hex}", "token_ids": prompt_ids, "sampling_params": {},
                           "model": engine.model_id}])
 
 
 async def render_chat(engine, body: ChatCompletionRequest, request: Request) -> JSONResponse:
-    check_model(body, engine.model_id)
+    check_model(body, engine.model_names)
     prompt_ids, _, _ = await chat_prompt(body, request)
     return JSONResponse({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": prompt_ids,
                          "model": engine.model_id})

@@ -105,7 +105,9 @@ async def get_load(request: Request) -> list[RankLoad]:
 @v1.get("/models", response_model=ModelList, responses=_UNAUTHORIZED)
 async def models(request: Request) -> Response:
     engine = request.app.state.engine
-    listing = ModelList(data=[ModelCard(id=engine.model_id, created=_STARTED, max_model_len=engine.max_model_len)])
+    # as vLLM lists them: every served name, the id first; the --model alias is accepted but not listed
+    listing = ModelList(data=[ModelCard(id=name, created=_STARTED, max_model_len=engine.max_model_len)
+                              for name in engine.model_names.served])
     return Response(listing.model_dump_json(), media_type="application/json")
 
 

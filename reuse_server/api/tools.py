@@ -31,14 +31,17 @@ JSON call opens with nothing that tells it from a JSON answer (response_format).
 
 Decoding. With tool_choice "auto" the model may write text, but once it writes `<tool_call>` the rest of
 the call is held to a known function's name and its parameters' schema; "required" allows only calls,
-a named function only that one call (structured_output.py compiles these as xgrammar structural tags).
+a named function only that one call (structured_output.py compiles these as xgrammar structural tags). A
+tool whose parameters' schema xgrammar refuses is still served, its arguments held to any JSON object
+(output_grammar).
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -46,13 +49,16 @@ from jinja2 import Environment, meta
 
 from reuse_server.api.protocol import ChatCompletionRequest, ResponseFormat, ToolDefinition
 from reuse_server.engine.sampling_params import InvalidRequest
-from reuse_server.engine.structured_output import Constraint
+from reuse_server.engine.structured_output import Constraint, Grammar, GrammarCompiler
+
+logger = logging.getLogger("reuse_server.api")
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 RESPONSE_OPEN = "<tool_response>"
 RESPONSE_CLOSE = "</tool_response>"
 NO_PARAMETERS = {"type": "object", "properties": {}}
+ANY_ARGUMENTS = {"type": "object"}  # any JSON object: a tool whose own schema cannot be compiled
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -75,13 +81,18 @@ class ToolSettings:
     parallel: bool
     function: str | None = None
     cache_control: dict | None = None  # a breakpoint after the tool definitions (any tool marked: the longest ttl)
+    # tools whose parameters' schema xgrammar refuses: their calls' arguments are held to any JSON object
+    # (output_grammar); the prompt still shows the schema as sent
+    free_arguments: frozenset[str] = frozenset()
 
     @property
     def parses_calls(self) -> bool:
         return bool(self.tools) and self.choice != "none"
 
     def schemas(self) -> dict[str, dict]:
-        return {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
+        """Each tool's arguments schema as decoding holds calls to it."""
+        return {t["function"]["name"]: ANY_ARGUMENTS if t["function"]["name"] in self.free_arguments
+                else t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
 
 
 def tool_settings(body: ChatCompletionRequest) -> ToolSettings:
@@ -236,16 +247,60 @@ def response_format_spec(response_format: ResponseFormat | None) -> dict | None:
     return {"type": "json_schema", "json_schema": response_format.json_schema.schema_}
 
 
+def _tag_constraint(tag: dict) -> Constraint:
+    return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": tag}), "tools")
+
+
 def output_constraint(settings: ToolSettings | None, response_format: ResponseFormat | None) -> Constraint | None:
     """The constraint a request's output is decoded under, or None."""
     answer = response_format_spec(response_format)
     tag = output_format(settings, answer) if settings is not None else None
     if tag is not None:
-        return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": tag}), "tools")
+        return _tag_constraint(tag)
     if answer is None:
         return None
     kind = "json_object" if response_format.type == "json_object" else "json_schema"
     return Constraint(kind, json.dumps(answer["json_schema"]), "response_format")
+
+
+def output_grammar(grammars: GrammarCompiler, settings: ToolSettings | None,
+                   response_format: ResponseFormat | None) -> Grammar | None:
+    """The compiled grammar a request's output is decoded under (None: unconstrained). A tool whose parameters'
+    schema xgrammar refuses is not a 400: real clients send schemas it cannot compile (a `pattern` with `\\p{L}`,
+    `\\b` or a lookbehind, draft-04's boolean `exclusiveMinimum`), and the request must still be served, so
+    that tool's arguments are held to any JSON object instead, with a warning. A response_format that cannot
+    be compiled is still a 400: the client asked for that shape of answer."""
+    constraint = output_constraint(settings, response_format)
+    if constraint is None:
+        return None
+    try:
+        return grammars.compile(constraint)
+    except InvalidRequest:
+        refused = _refused_tools(grammars, settings) if settings is not None and settings.parses_calls else {}
+        if not refused:
+            raise
+    for name, reason in refused.items():
+        _warn_free_arguments(name, reason)
+    return grammars.compile(output_constraint(replace(settings, free_arguments=frozenset(refused)), response_format))
+
+
+def _refused_tools(grammars: GrammarCompiler, settings: ToolSettings) -> dict[str, str]:
+    """{name: xgrammar's reason} of the tools whose call, alone, cannot be compiled (run only once the whole
+    output's grammar failed, so a request whose tools all compile pays nothing)."""
+    refused = {}
+    for name, schema in settings.schemas().items():
+        try:
+            grammars.compile(_tag_constraint(_call_tag(name, schema)))
+        except InvalidRequest as exc:
+            refused[name] = exc.message
+    return refused
+
+
+@lru_cache(maxsize=256)
+def _warn_free_arguments(name: str, reason: str) -> None:
+    """Logged once per tool and reason (cached): an agent sends the same tools on every step."""
+    logger.warning("tool %r: its parameters' schema cannot be compiled (%s); its calls' arguments are held to "
+                   "any JSON object instead", name, reason)
 
 
 # ---------------------------------------------------------------- reading calls back

@@ -30,6 +30,7 @@ from typing import Callable
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
 from reuse_server.engine.builder import build_engine
+from reuse_server.engine.model_names import ModelNames
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.request_errors import (EngineDeadError, EngineStalled, QueueFull, RequestTimedOut,
                                                 ServerDraining)
@@ -100,6 +101,10 @@ class AsyncEngine:
     @property
     def model_id(self) -> str:
         return self.engine.model_id
+
+    @property
+    def model_names(self) -> ModelNames:
+        return self.engine.names
 
     @property
     def tokenizer(self):
@@ -208,11 +213,12 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, SHUTDOWN_JOIN_SECONDS)
 
     # requests
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a request's prompt and parameters (LLMEngine.validate), on the caller's thread: the one check a
-        request gets, before it is admitted, so bad input is refused before any output or KV block. The
-        submissions below take validated input."""
-        self.engine.validate(prompt_token_ids, params)
+        request gets, before it is admitted, so bad input is refused before any output or KV block. Returns
+        the parameters to submit (its output limit fitted to the context and --max-tokens). The submissions
+        below take validated input."""
+        return self.engine.validate(prompt_token_ids, params)
 
     def admit(self, count: int = 1, ahead: int = 0) -> None:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n

@@ -22,10 +22,10 @@ from reuse_server.engine.config import EngineConfig, resolve_dtype
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
+from reuse_server.engine.model_names import ModelNames, model_names
 from reuse_server.kv.layered_pool import LayeredKVPool
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.config import ModelConfig
-from reuse_server.model.bundled import bundled_model
 from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
 from reuse_server.model.weight_dtype import choose as choose_weight_dtype
 from reuse_server.engine.runner import ModelRunner
@@ -45,7 +45,7 @@ class EngineParts:
     model: torch.nn.Module
     model_config: ModelConfig
     tokenizer: object
-    model_id: str  # the served name
+    names: ModelNames  # what requests may call the model; names.id is the one answers report
     weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
     fingerprint: ModelFingerprint
     attention_kernel: bool  # the CPU attention kernel serves this model
@@ -122,7 +122,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
                           config.dedup_prefill, eos_ids, min(max_model_len, num_blocks * bs))
     parts = EngineParts(
         config=config, model=model, model_config=mc, tokenizer=tokenizer,
-        model_id=config.served_model_name or default_model_id(config.model), weight_dtype=weight_dtype,
+        names=model_names(config.model, config.served_model_name), weight_dtype=weight_dtype,
         fingerprint=identity,
         attention_kernel=attention_kernel,
         max_model_len=max_model_len,
@@ -201,14 +201,6 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
     return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype, fetch=config.tier_fetch,
                    host_write_policy=config.host_write_policy)
-
-
-def default_model_id(model: str | None) -> str:
-    bundled = bundled_model(model)
-    if bundled is not None:
-        return bundled.display_name
-    name = Path(model.rstrip("/")).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def _return_freed_memory() -> None:

@@ -27,7 +27,9 @@ def resolve_dtype(name: str, device: str):
 @dataclass
 class EngineConfig:
     model: str | None = None  # bundled name, a .gguf file, or an HF checkpoint folder; None: the bundled SmolLM2
-    served_model_name: str | None = None  # id shown in /v1/models; default: derived from the model
+    # the names requests may use (as vLLM's: one or several; the first is the id answers report); default: one
+    # derived from the model (engine/model_names.py)
+    served_model_name: str | list[str] | None = None
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
     # the matrices' storage, independent of the compute dtype: fp32 (as --dtype), bf16, int8, int4 (group-wise
@@ -54,6 +56,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # running sequences at once
     max_num_batched_tokens: int = 2048  # token budget per scheduler step (prompts go in prefill slices)
     max_model_len: int | None = None  # default: the model's max positions
+    # the most tokens any answer may have (llama.cpp's --n-predict), whatever a request asks; a request's smaller
+    # limit wins. None: only the request's limit and the room the context leaves.
+    max_tokens: int | None = None
     enable_prefix_cache: bool = True
     dedup_prefill: bool = True  # a request waits for blocks another request is computing instead of computing them too
     hash_algo: str = "xxh3_128"
@@ -113,6 +118,11 @@ class EngineConfig:
             problems.append(f"unknown hash {self.hash_algo!r}; choose {', '.join(HASH_ALGOS)}")
         if self.eviction_policy not in POLICIES:
             problems.append(f"unknown eviction policy {self.eviction_policy!r}; choose {', '.join(POLICIES)}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            problems.append(f"max_tokens must be at least 1, got {self.max_tokens}")
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        if names is not None and (not names or any(not name.strip() for name in names)):
+            problems.append("served_model_name must be one or more non-empty names")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -6,6 +6,7 @@ sampler picks a token for each sequence that generates, and the scheduler takes 
 (Scheduler.update: advance, stop, finish, release). The engine turns the news into outputs and counts."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,8 +17,7 @@ from reuse_server.engine.builder import EngineParts
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampler import top_logprobs
-from reuse_server.engine.sampling_params import (AnswerDoesNotFit, CacheOptions, InvalidRequest, PromptTooLong,
-                                                SamplingParams)
+from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, PromptTooLong, SamplingParams
 from reuse_server.engine.scheduler import StepOutput
 from reuse_server.engine.sequence import Sequence
 
@@ -33,7 +33,8 @@ class LLMEngine:
         self.model = parts.model
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
-        self.model_id = parts.model_id
+        self.names = parts.names
+        self.model_id = parts.names.id
         self.weight_dtype = parts.weight_dtype
         self.fingerprint = parts.fingerprint
         self.attention_kernel = parts.attention_kernel
@@ -73,10 +74,12 @@ class LLMEngine:
         """The longest sequence the engine can hold: the context, or the whole KV pool if smaller."""
         return self.scheduler.max_sequence_tokens
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Every check of a request's prompt and sampling parameters, in one place: an entry point calls it
         once, before anything is queued (the API's routes through AsyncEngine.validate_prompt, direct
-        callers through add_request)."""
+        callers through add_request). Returns the parameters to run it with: its output limit fitted to the
+        room the context leaves and to the server's --max-tokens (output_limit), the one place every route's
+        limit (max_tokens, max_completion_tokens, max_output_tokens) is capped."""
         if not prompt_ids:
             raise InvalidRequest("The prompt is empty.", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -90,14 +93,21 @@ class LLMEngine:
         if outside:
             raise InvalidRequest(f"logit_bias names token {outside[0]}, outside the vocabulary "
                                  f"(0..{self.vocab_size - 1}).", "logit_bias")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise AnswerDoesNotFit(limit, len(prompt_ids), params.max_tokens)
+        fitted = self.output_limit(len(prompt_ids), params.max_tokens)
+        return params if fitted == params.max_tokens else dataclasses.replace(params, max_tokens=fitted)
+
+    def output_limit(self, prompt_tokens: int, requested: int | None) -> int:
+        """The most tokens an answer may have: the request's limit (None: no limit of its own), the room the
+        context leaves after the prompt, and --max-tokens, whichever is smallest, as vLLM's get_max_tokens.
+        A limit beyond the room left is not an error: clients send their own model's limits (Claude Code
+        asks for 32,000 or 64,000 tokens) and expect the answer to end with the length stop reason."""
+        limits = (requested, self.max_sequence_tokens - prompt_tokens, self.config.max_tokens)
+        return min(limit for limit in limits if limit is not None)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     options: CacheOptions | None = None, arrival: float | None = None) -> Sequence:
         """Validate a request and queue it (for callers that drive the engine directly)."""
-        self.validate(prompt_ids, params)
-        return self.add(request_id, prompt_ids, params, options, arrival)
+        return self.add(request_id, prompt_ids, self.validate(prompt_ids, params), options, arrival)
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             options: CacheOptions | None = None, arrival: float | None = None, generates: bool = True) -> Sequence:

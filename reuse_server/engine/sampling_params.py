@@ -18,40 +18,28 @@ class InvalidRequest(ValueError):
 
 
 
-class ContextLengthExceeded(InvalidRequest):
-    """A request that does not fit the model's context. Its numbers travel with it, so that each API words
-    the refusal as its clients read it (Claude Code compacts its conversation on Anthropic's wording of
-    PromptTooLong and lowers max_tokens on that of AnswerDoesNotFit: api/errors.py)."""
-
-    def __init__(self, message: str, param: str | None, limit: int, prompt_tokens: int):
-        super().__init__(message, param, "context_length_exceeded")
-        self.limit = limit
-        self.prompt_tokens = prompt_tokens
-
-
-class PromptTooLong(ContextLengthExceeded):
-    """The prompt alone fills the context: no room is left for one token of answer."""
+class PromptTooLong(InvalidRequest):
+    """The prompt alone fills the context: no room is left for one token of answer. Its numbers travel with it,
+    so that each API words the refusal as its clients read it (Claude Code compacts its conversation on
+    Anthropic's wording: api/errors.py). An answer limit beyond the room left is not an error: the engine fits
+    it to the room (LLMEngine.output_limit)."""
 
     def __init__(self, limit: int, prompt_tokens: int):
         super().__init__(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                         f"{prompt_tokens} tokens, which leaves no room for a completion.", None, limit, prompt_tokens)
+                         f"{prompt_tokens} tokens, which leaves no room for a completion.", None,
+                         "context_length_exceeded")
+        self.limit = limit
+        self.prompt_tokens = prompt_tokens
 
-
-class AnswerDoesNotFit(ContextLengthExceeded):
-    """The prompt fits, but not with the max_tokens of answer asked for."""
-
-    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
-        super().__init__(f"This model's maximum context length is {limit} tokens. However, you requested "
-                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-                         f"completion). Reduce the prompt or max_tokens.", "max_tokens", limit, prompt_tokens)
-        self.max_tokens = max_tokens
 
 SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    # None: as many as the context leaves (OpenAI's default for chat); LLMEngine.validate fits it to the context
+    # and the server's --max-tokens, so a validated request always has a number here
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k
@@ -71,15 +59,9 @@ class SamplingParams:
     # a structured_output.Grammar the output must match: JSON, tool calls
     grammar: Any = field(default=None, compare=False, repr=False)
 
-    def validate(self, max_new_tokens_allowed: int | None = None) -> None:
-        if self.max_tokens < 1:
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
-        if max_new_tokens_allowed is not None and self.max_tokens > max_new_tokens_allowed:
-            raise InvalidRequest(
-                f"max_tokens is {self.max_tokens}, but the prompt leaves room for at most "
-                f"{max_new_tokens_allowed} new tokens in the model's context.",
-                "max_tokens",
-            )
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequest(f"temperature must be in [0, 2], got {self.temperature}.", "temperature")
         if not 0.0 < self.top_p <= 1.0:

@@ -134,6 +134,12 @@ def separator(text: str) -> str:
     return text
 
 
+def model_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a model name must not be empty")
+    return text
+
+
 def _number_list(values) -> str:
     return ",".join(f"{v:g}" for v in values)
 
@@ -160,8 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="smollm2",
                        help="a bundled model ('smollm2', or 'gemma3-270m': Gemma 3 270M, under the Gemma Terms of "
                             "Use), a .gguf file, or a Hugging Face checkpoint folder")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model id shown in /v1/models and required in requests (default: derived from --model)")
+    serve.add_argument("--served-model-name", nargs="+", type=model_name, default=None, metavar="NAME",
+                       help="the names requests may give as their model, as vLLM's flag: all are accepted and "
+                            "listed by /v1/models, the first is the id answers report (e.g. a coding agent's "
+                            "own model names after yours). The --model name is accepted too (default: one "
+                            "derived from --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on")
     serve.add_argument("--device", default=defaults.device, help="torch device: cpu, cuda, cuda:1, ...")
@@ -212,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="token budget of one scheduler step (long prompts are prefilled in chunks)")
     serve.add_argument("--max-model-len", type=positive_int, default=None,
                        help="context length limit (default: the model's maximum)")
+    serve.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
+                       help="the most tokens any answer may have, on every route, whatever the request asks (a "
+                            "request's smaller limit wins), as llama.cpp's --n-predict: for clients that send no "
+                            "limit to a model that may never stop (default: none, the request's limit or the room "
+                            "the context leaves)")
     serve.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching, for a baseline (default: prefix caching on)")
     serve.add_argument("--no-prefill-dedup", action="store_true",
                        help="admit a request whose next uncached block another request is computing at once, "
@@ -374,7 +388,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, window_kv_share=args.window_kv_share or None,
         num_window_blocks=args.num_window_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
+        max_model_len=args.max_model_len, max_tokens=args.max_tokens, enable_prefix_cache=not args.no_prefix_cache,
         dedup_prefill=not args.no_prefill_dedup,
         hash_algo=args.hash_algo, eviction_policy=args.eviction_policy, max_pinned_share=args.max_pinned_share,
         cpu_cache_size=args.cpu_cache_size, disk_cache_dir=args.disk_cache_dir, disk_cache_size=args.disk_cache_size,

@@ -57,6 +57,12 @@ def sampling_params(request: dict):
     return params
 
 
+def served_names(config) -> list:
+    """--served-model-name as one or several names ([None]: Dynamo names the model after its folder)."""
+    names = config.served_model_name
+    return [names] if names is None or isinstance(names, str) else list(names)
+
+
 def engine_class():
     """The Dynamo engine class (built here: dynamo is imported only when the command runs)."""
     from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
@@ -85,7 +91,7 @@ def engine_class():
             if not config.model:
                 args.command_parser.error("give the model folder after --: -- --model DIR")
             worker = WorkerConfig(namespace=args.namespace, component=args.component, endpoint=args.endpoint,
-                                  model_name=config.model, served_model_name=config.served_model_name,
+                                  model_name=config.model, served_model_name=served_names(config)[0],
                                   discovery_backend=args.discovery_backend, request_plane=args.request_plane,
                                   event_plane=args.event_plane, use_kv_events=True)
             return cls(config), worker
@@ -95,7 +101,9 @@ def engine_class():
             self.engine.metrics = ServerMetrics(self.engine)  # the engine reports TTFT and request ends to it
             await self.engine.start()
             parts = self.engine.engine
-            return EngineConfig(model=self.config.model, served_model_name=self.config.served_model_name,
+            # as Dynamo's own vLLM worker does: the first served name is the model's, the others its aliases
+            first, *aliases = served_names(self.config)
+            return EngineConfig(model=self.config.model, served_model_name=first, model_aliases=aliases,
                                 llm=LlmRegistration(context_length=parts.max_model_len,
                                                     kv_cache_block_size=self.config.block_size,
                                                     total_kv_blocks=parts.cache.num_blocks,
@@ -111,7 +119,9 @@ def engine_class():
 
         async def generate(self, request, context):
             prompt = list(request.get("token_ids") or [])
-            stream = self.engine.generate(f"dyn-{uuid.uuid4().hex}", prompt, sampling_params(request))
+            # checked and its output limit fitted to the context and --max-tokens, as on serve's routes
+            params = self.engine.validate_prompt(prompt, sampling_params(request))
+            stream = self.engine.generate(f"dyn-{uuid.uuid4().hex}", prompt, params)
             try:
                 async for out in stream:
                     if context.is_stopped():

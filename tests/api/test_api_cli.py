@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--weight-dtype", "--cpu-matmul",
          "--cpu-attention",
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+         "--max-tokens",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
          "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator", "--api-key",
@@ -44,13 +45,13 @@ def test_defaults_match_engine_config():
 
 def test_flags_reach_engine_config():
     args = build_parser().parse_args([
-        "serve", "--model", "/m", "--served-model-name", "x", "--device", "cuda:1", "--dtype", "bfloat16",
+        "serve", "--model", "/m", "--served-model-name", "x", "claude-sonnet-4-5", "--device", "cuda:1", "--dtype", "bfloat16",
         "--cpu-matmul", "torch", "--cpu-attention", "torch", "--block-size", "32", "--num-gpu-blocks", "100", "--kv-cache-memory", "512MiB",
         "--max-num-seqs", "3",
-        "--max-num-batched-tokens", "64", "--max-model-len", "128", "--no-prefix-cache", "--hash", "sha256",
-        "--eviction-policy", "lfu"])
+        "--max-num-batched-tokens", "64", "--max-model-len", "128", "--max-tokens", "5", "--no-prefix-cache",
+        "--hash", "sha256", "--eviction-policy", "lfu"])
     assert engine_config(args) == EngineConfig(
-        model="/m", served_model_name="x", device="cuda:1", dtype="bfloat16", cpu_matmul="torch", cpu_attention="torch",
+        model="/m", served_model_name=["x", "claude-sonnet-4-5"], max_tokens=5, device="cuda:1", dtype="bfloat16", cpu_matmul="torch", cpu_attention="torch",
         block_size=32,
         num_gpu_blocks=100,
         kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,
@@ -106,6 +107,9 @@ def test_parse_size(text, size):
     (["--admin-api-key", " "], "must not be empty"),
     (["--api-key-file", "/no/such/keys.txt"], "could not read --api-key-file"),
     (["--max-waiting", "0"], "at least 1"),
+    (["--max-tokens", "0"], "at least 1"),
+    (["--served-model-name"], "expected at least one argument"),
+    (["--served-model-name", "a", " "], "must not be empty"),
     (["--request-timeout", "0"], "> 0"),
     (["--shutdown-timeout", "-1"], ">= 0"),
     (["--step-timeout", "-1"], ">= 0"),
@@ -158,3 +162,19 @@ def test_launcher_reports_a_server_that_cannot_start(tmp_path):
         with served(["--model", str(tmp_path / "no-such-model")], log, startup_timeout=120):
             pass
     assert "no-such-model" in str(err.value)  # the log's tail comes with the error
+
+
+def test_served_names_and_the_model_alias():
+    """--model gemma3-270m serves the id gemma-3-270m and accepts the flag's own spelling; --served-model-name
+    a b: a is the id, both are listed, and the --model value is still accepted (not listed)."""
+    from reuse_server.engine.model_names import model_names
+
+    bundled = model_names(engine_config(build_parser().parse_args(["serve", "--model", "gemma3-270m"])).model, None)
+    assert bundled.id == "gemma-3-270m" and bundled.served == ("gemma-3-270m",)
+    assert bundled.accepts("gemma3-270m") and not bundled.accepts("gemma3")
+    config = engine_config(build_parser().parse_args(["serve", "--model", "/models/m.gguf", "--served-model-name",
+                                                      "mine", "claude-sonnet-4-5", "mine"]))
+    names = model_names(config.model, config.served_model_name)
+    assert names.id == "mine" and names.served == ("mine", "claude-sonnet-4-5")  # a repeated name once
+    assert names.accepts("/models/m.gguf") and not names.accepts("m") and not names.accepts("claude")
+    assert model_names("/models/m.gguf", None).served == ("m",)

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from blend.chunking import render_chat_chunks
 from reuse_server.api.chat_template import PART_SEPARATOR, conversation, render_chat_prompt
 from reuse_server.api.protocol import ChatCompletionRequest
-from reuse_server.api.tools import (ToolCallStream, call_text, finish_reason, output_constraint, parse_tool_calls,
-                                    template_renders_tools, tool_settings, tools_block)
+from reuse_server.api.tools import (ToolCallStream, _warn_free_arguments, call_text, finish_reason, output_constraint, output_grammar,
+                                    parse_tool_calls, template_renders_tools, tool_settings, tools_block)
 from reuse_server.engine.sampling_params import InvalidRequest
 from reuse_server.engine.structured_output import GrammarCompiler
 from tiny_checkpoint import build_tokenizer
@@ -230,13 +230,98 @@ def test_tools_and_a_response_format_allow_either(grammars):
     assert output_constraint(tool_settings(request()), None) is None
 
 
-def test_tool_parameters_that_cannot_compile_are_refused(grammars):
+def test_a_tool_grammar_that_cannot_compile_is_a_clear_error_from_the_compiler(grammars):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(["}}}}}
     body = request(tools=[bad], tool_choice="required")
     with pytest.raises(InvalidRequest) as err:
         grammars.compile(output_constraint(tool_settings(body), None))
     assert err.value.param == "tools" and "[" in err.value.message and "/project" not in err.value.message
+
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def one_property(schema: dict) -> dict:
+    """A tool's parameters in the form Claude Code's tools have them (zod's JSON schema, draft 2020-12)."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+            "properties": {"x": schema}, "required": ["x"], "additionalProperties": False}
+
+
+# The keywords Claude Code 2.1's 24 tools use, each in the form one of them has it (captured from its
+# requests), with an argument value it allows and one it does not.
+CLAUDE_CODE_KEYWORDS = {
+    "$schema": ({"type": "string"}, '"a"', "1"),
+    "anyOf+const": ({"anyOf": [{"type": "string", "enum": ["pending", "completed"]},
+                               {"type": "string", "const": "deleted"}]}, '"deleted"', '"gone"'),
+    "propertyNames": ({"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {}},
+                      '{"k": [1]}', '"k"'),
+    "exclusiveMinimum": ({"type": "integer", "exclusiveMinimum": 0, "maximum": 9007199254740991}, "3", "0"),
+    "format": ({"type": "string", "format": "uri"}, '"https://example.com/a"', "7"),
+    "pattern": ({"type": "string", "pattern": "^wf_[a-z0-9-]{6,}$"}, '"wf_abc-123"', '"wf_A"'),
+    "minLength": ({"type": "string", "minLength": 2}, '"ab"', '"a"'),
+    "maxItems": ({"type": "array", "items": {"type": "string"}, "maxItems": 2}, '["a"]', '["a", "b", "c"]'),
+    "default+minimum+maximum": ({"default": 30000, "type": "number", "minimum": 0, "maximum": 600000}, "5", "-1"),
+}
+
+
+@pytest.mark.parametrize("keyword", CLAUDE_CODE_KEYWORDS)
+def test_the_schema_keywords_claude_code_sends_compile_and_hold_the_call(grammars, keyword, caplog):
+    schema, good, bad = CLAUDE_CODE_KEYWORDS[keyword]
+    settings = tool_settings(request(tools=[tool("t", one_property(schema))], tool_choice="required"))
+    with caplog.at_level("WARNING", logger="reuse_server.api"):
+        grammar = output_grammar(grammars, settings, None)
+    assert not caplog.records  # compiled as sent: no fallback
+    assert grammar_accepts(grammar, grammars, call_text("t", f'{{"x": {good}}}'))
+    assert not grammar_accepts(grammar, grammars, call_text("t", f'{{"x": {bad}}}'))
+
+
+def grammar_accepts(grammar, grammars, text: str) -> bool:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammar.compiled)
+    return matcher.accept_string(text) and matcher.accept_token(grammars._stop_token_ids[0])
+
+
+# Schemas real clients send that xgrammar 0.1 refuses: regex features it lacks, draft-04's boolean
+# exclusiveMinimum (OpenAPI 3.0-derived tools), a schema that accepts nothing.
+REFUSED_BY_XGRAMMAR = {
+    "unicode class": {"type": "string", "pattern": "^\\p{L}+$"},
+    "word boundary": {"type": "string", "pattern": "\\bmain\\b"},
+    "lookbehind": {"type": "string", "pattern": "(?<=v)[0-9]+"},
+    "backreference": {"type": "string", "pattern": "^(a)\\1$"},
+    "boolean exclusiveMinimum": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+    "false schema": False,
+}
+
+
+@pytest.mark.parametrize("what", REFUSED_BY_XGRAMMAR)
+def test_a_schema_xgrammar_refuses_leaves_only_that_tools_arguments_free(grammars, what, caplog):
+    refused = tool("free", {"type": "object", "properties": {"x": REFUSED_BY_XGRAMMAR[what]}})
+    with pytest.raises(InvalidRequest):  # xgrammar does refuse it: the case the fallback is for
+        grammars.compile(output_constraint(tool_settings(request(tools=[refused], tool_choice="required")), None))
+    settings = tool_settings(request(tools=[WEATHER, refused], tool_choice="required"))
+    _warn_free_arguments.cache_clear()  # logged once per tool and reason in a process
+    with caplog.at_level("WARNING", logger="reuse_server.api"):
+        grammar = output_grammar(grammars, settings, None)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "'free'" in warnings[0] and "any JSON object" in warnings[0], warnings
+    # the refused tool's arguments: any JSON object, but an object and a complete call
+    assert grammar_accepts(grammar, grammars, call_text("free", '{"x": "anything", "y": [1, {"z": null}]}'))
+    assert not grammar_accepts(grammar, grammars, call_text("free", '"not an object"'))
+    # the other tool is still held to its own schema
+    assert grammar_accepts(grammar, grammars, CALL)
+    assert not grammar_accepts(grammar, grammars, call_text("get_weather", '{"city": "Rome", "days": 3}'))
+    assert not grammar_accepts(grammar, grammars, call_text("rm_rf", "{}"))
+
+
+def test_a_response_format_that_cannot_compile_is_still_a_400(grammars):
+    body = request(tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {"x": {"type": "string", "pattern": "\\bx"}}}}})
+    with pytest.raises(InvalidRequest) as err:
+        output_grammar(grammars, tool_settings(body), body.response_format)
+    assert "Word boundary" in err.value.message
 
 
 # ---------------------------------------------------------------- reading calls back

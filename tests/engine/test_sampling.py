@@ -140,3 +140,25 @@ def test_max_tokens_and_stop_strings(engine):
                                                                 stop=[stop]))
     assert cut == text[:text.index(stop)] and last.finish_reason == "stop"
     assert engine.cache.stats().in_use_blocks == 0
+
+
+def test_an_output_limit_is_fitted_to_the_room_left_and_the_servers_cap(engine):
+    """validate() returns the parameters to run with: a limit beyond the context (or none) becomes the room the
+    prompt leaves (here the pool's 128 blocks of 4 tokens bound it), --max-tokens caps any limit, and the
+    request's own smaller limit wins; the caller's parameters are left as they were."""
+    room = engine.max_sequence_tokens - 6
+    prompt = list(range(5, 11))
+    for asked, fitted in [(32000, room), (None, room), (room, room), (7, 7)]:
+        params = SamplingParams(max_tokens=asked)
+        assert engine.validate(prompt, params).max_tokens == fitted and params.max_tokens == asked
+    ids, _, last = generate(engine, "fill", prompt, SamplingParams(max_tokens=32000, temperature=0.0, ignore_eos=True))
+    assert len(ids) == room and last.finish_reason == "length"
+    engine.config.max_tokens = 9  # --max-tokens 9
+    try:
+        assert [engine.validate(prompt, SamplingParams(max_tokens=asked)).max_tokens
+                for asked in (32000, None, 9, 4)] == [9, 9, 9, 4]
+    finally:
+        engine.config.max_tokens = None
+    with pytest.raises(InvalidRequest) as err:  # a prompt that leaves no room stays an error
+        engine.validate([5] * engine.max_sequence_tokens, SamplingParams(max_tokens=32000))
+    assert err.value.code == "context_length_exceeded"

@@ -197,3 +197,22 @@ def test_a_worker_killed_mid_run_costs_no_request_the_frontend_can_retry(tiny_ll
         after = [ask(100 + i) for i in range(4)]
         assert all(a["usage"]["completion_tokens"] == 64 for a in after)
         assert worker_requests(ports[0]) - before == 4
+
+
+def test_served_names_and_max_tokens_reach_dynamo(tiny_llama_path, tmp_path):
+    """One worker with two served names and --max-tokens 3: the frontend serves the model under both names (the
+    second registered as Dynamo's alias) and an unknown name is a 404; the worker caps any limit at 3 tokens
+    (ignore_eos: the cap, not the model, ends each answer), a smaller one still wins."""
+    serve_args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "tiny-alias", "--max-tokens", "3",
+                  "--block-size", str(BS), "--num-gpu-blocks", "64", "--no-blend-key-shift"]
+    with dynamo_cluster(1, serve_args, tmp_path, startup_timeout=240) as cluster:
+        def ask(model: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": text(400), "max_tokens": max_tokens, "ignore_eos": True})
+
+        for model in ("tiny", "tiny-alias"):
+            r = ask(model, 50)
+            assert r.status_code == 200, (model, r.text)
+            assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert ask("tiny", 2).json()["usage"]["completion_tokens"] == 2
+        assert ask("gpt-4", 5).status_code == 404
