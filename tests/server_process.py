@@ -36,6 +36,12 @@ def metric(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def requests_finished(url: str) -> float:
+    """Requests the server finished, whatever their finish reason (the random model may stop on its first
+    token)."""
+    return sum(value for (name, _), value in scrape(url).items() if name == "kvreuse_requests_total")
+
+
 def wait_idle(url: str, timeout: float = 60.0) -> dict:
     """Poll /metrics until no request runs or waits and no KV block is in use (bounded)."""
     deadline = time.monotonic() + timeout

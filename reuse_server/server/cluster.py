@@ -26,7 +26,17 @@ The gateway flags set here (each can be overridden with --gateway-arg):
 `--kv-events-replay` on a free loopback port each) and the router is told, from each replica's /server_info,
 `--kv-event-source URL=ENDPOINT`, `--kv-event-replay-source URL=ENDPOINT`, `--kv-event-block-size` (ours:
 the router hashes the token ids itself) and `--kv-event-model`. It tokenizes each request through the
-replicas' render endpoints (api/render.py)."""
+replicas' render endpoints (api/render.py).
+
+Under vllm-router's `kv_aware` the cluster also turns on the router's session affinity
+(`--kv-aware-session-affinity-ttl-secs`, --session-affinity-ttl here): a request that names its session is
+sent where that session's earlier turns went, until the session has been idle that long. vllm-router 0.1.17
+reads the session from the `session-id` header (Codex CLI sends it, equal to its `prompt_cache_key`),
+`x-claude-code-session-id` (Claude Code), `x-session-id`, or a top-level `session_id` body field; it does not
+read `prompt_cache_key` itself. A session's first request, and every request that names none, is routed by
+the KV events as before (the least loaded replica where no replica holds the prompt, or where the router
+cannot tokenize it: /v1/responses and /v1/messages). smg's own session routing (`--policy manual`) reads
+only an `x-smg-routing-key` header, which neither agent sends, and smg 0.3.2 has no /v1/messages route."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +68,11 @@ GATEWAY_DEFAULTS = {"smg": [*_HEALTH_FLAGS, *_FAILOVER, "--log-level", "warn"],
 # flags the cluster sets on every replica itself
 OWNED_SERVE_FLAGS = ("--port", "--host", "--redis-url", "--kv-events", "--kv-events-replay")
 STOP_SECONDS = 60.0
+# how long vllm-router keeps a session on its replica after the session's last request: an hour, the longest
+# prompt-cache lifetime the agents' own providers offer (Anthropic's 1 h cache TTL), so a user who pauses
+# comes back to the replica that has the conversation (if it still holds it; Redis has it otherwise)
+SESSION_AFFINITY_TTL = 3600
+MAX_SESSION_AFFINITY_TTL = 31_536_000
 
 
 @dataclass(frozen=True)
@@ -105,16 +120,19 @@ def replica_set(count: int, serve_args: list[str], log_dir: Path, redis_url: str
 
 @contextmanager
 def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127.0.0.1", port: int | None = None,
-            extra_args: list[str] = (), startup_timeout: float = 60.0,
-            router: str = "smg") -> Iterator[tuple[str, subprocess.Popen]]:
+            extra_args: list[str] = (), startup_timeout: float = 60.0, router: str = "smg",
+            session_ttl: int = SESSION_AFFINITY_TTL) -> Iterator[tuple[str, subprocess.Popen]]:
     """The router (`smg`: the SGLang model gateway; `vllm-router`) in front of `worker_urls`; yields (its URL,
-    process) once it lists every worker as healthy. Stopped with SIGTERM on the way out."""
+    process) once it lists every worker as healthy. Stopped with SIGTERM on the way out. session_ttl: under
+    vllm-router's kv_aware, seconds a session stays on its replica after its last request (0: no affinity)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", ROUTER_MODULES[router], "--worker-urls", *worker_urls, "--policy", policy,
            "--host", host, "--port", str(port), *GATEWAY_DEFAULTS[router],
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    if router == "vllm-router" and policy == "kv_aware":
+    if pins_sessions(router, policy):
         cmd += kv_event_flags(worker_urls)
+        if session_ttl:
+            cmd += ["--kv-aware-session-affinity-ttl-secs", str(session_ttl)]
     cmd += extra_args
     log_path = Path(log_dir) / "gateway.log"
     with open(log_path, "w") as log:
@@ -125,6 +143,12 @@ def gateway(worker_urls: list[str], policy: str, log_dir: Path, host: str = "127
         yield url, proc
     finally:
         stop(proc)
+
+
+def pins_sessions(router: str, policy: str) -> bool:
+    """Whether this router and policy can keep a session on one replica by the session id the agents send
+    (vllm-router's kv_aware, which also routes by the replicas' KV events)."""
+    return router == "vllm-router" and policy == "kv_aware"
 
 
 def kv_event_flags(worker_urls: list[str]) -> list[str]:
@@ -181,16 +205,17 @@ def stop(proc: subprocess.Popen, timeout: float = STOP_SECONDS) -> None:
 @contextmanager
 def cluster(replicas: int, policy: str, serve_args: list[str], log_dir: Path, redis_url: str | None = None,
             host: str = "127.0.0.1", port: int | None = None, gateway_args: list[str] = (),
-            redis_maxmemory: str = "1gb", router: str = "smg") -> Iterator[ClusterUrls]:
+            redis_maxmemory: str = "1gb", router: str = "smg",
+            session_ttl: int = SESSION_AFFINITY_TTL) -> Iterator[ClusterUrls]:
     """Redis (a local one unless redis_url), the replicas, the gateway; stopped in the reverse order."""
     with ExitStack() as stack:
         if redis_url is None:
             redis_url, _ = stack.enter_context(redis_process(maxmemory=redis_maxmemory, new_session=True))
-        events = router == "vllm-router" and policy == "kv_aware"
+        events = pins_sessions(router, policy)  # kv_aware reads the replicas' KV events
         urls = [r.url for r in stack.enter_context(replica_set(replicas, serve_args, log_dir, redis_url,
                                                                 kv_events=events))]
         gateway_url, proc = stack.enter_context(gateway(urls, policy, log_dir, host, port, list(gateway_args),
-                                                        router=router))
+                                                        router=router, session_ttl=session_ttl))
         yield ClusterUrls(gateway=gateway_url, replicas=urls, redis=redis_url, gateway_process=proc)
 
 
@@ -211,6 +236,11 @@ def add_parser(commands, formatter_class) -> None:
                         "replica reports at /get_load; smg's default), round_robin, cache_aware (prompt-prefix "
                         "affinity), random, kv_aware (vllm-router only, its default: where the replicas' KV "
                         "events say the prompt is cached)")
+    p.add_argument("--session-affinity-ttl", type=_non_negative_int, default=None, metavar="SECONDS",
+                   help="vllm-router's kv_aware only: a request naming its session (the session-id header of "
+                        "Codex CLI, x-claude-code-session-id of Claude Code, x-session-id, or a session_id body "
+                        "field) goes to the replica of the session's earlier turns until the session has been "
+                        f"idle this long (default {SESSION_AFFINITY_TTL}; 0: route every request by KV events)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--port", type=_positive_int, default=8000, help="port the gateway listens on")
     p.add_argument("--redis-url", default=None, metavar="URL",
@@ -230,6 +260,12 @@ def _positive_int(text: str) -> int:
     from reuse_server.server.cli import positive_int
 
     return positive_int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    from reuse_server.server.cli import non_negative_int
+
+    return non_negative_int(text)
 
 
 class _Stop(Exception):
@@ -254,6 +290,12 @@ def run(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES[args.router]:
         args.command_parser.error(f"--policy {args.policy} is not one of {args.router}'s: "
                                   f"{', '.join(POLICIES[args.router])}")
+    if args.session_affinity_ttl is not None and not pins_sessions(args.router, args.policy):
+        args.command_parser.error("--session-affinity-ttl is for --router vllm-router with its kv_aware policy (the "
+                                  "only router and policy here that read the session id the agents send)")
+    if (args.session_affinity_ttl or 0) > MAX_SESSION_AFFINITY_TTL:
+        args.command_parser.error(f"--session-affinity-ttl is at most {MAX_SESSION_AFFINITY_TTL} (a year: "
+                                  "vllm-router's bound)")
     if args.policy == "power_of_two" and args.replicas < 2:
         args.command_parser.error("--policy power_of_two needs at least 2 replicas (the gateway refuses fewer); "
                                   "use --policy round_robin for one")
@@ -261,14 +303,18 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_stop)
     print(f"reuse-server cluster: logs in {log_dir}", flush=True)
+    ttl = SESSION_AFFINITY_TTL if args.session_affinity_ttl is None else args.session_affinity_ttl
     try:
         with cluster(args.replicas, args.policy, serve_args, log_dir, args.redis_url, args.host, args.port,
-                     args.gateway_args, args.redis_maxmemory, args.router) as urls:
+                     args.gateway_args, args.redis_maxmemory, args.router, ttl) as urls:
             print(f"redis:    {urls.redis}", flush=True)
             for i, url in enumerate(urls.replicas):
                 print(f"replica {i}: {url}", flush=True)
             print(f"gateway:  {urls.gateway} ({args.router}, policy {args.policy}); OpenAI base URL "
                   f"{urls.gateway}/v1", flush=True)
+            if pins_sessions(args.router, args.policy) and ttl:
+                print(f"sessions: each stays on its replica until idle {ttl} s (session-id, x-claude-code-session-id "
+                      "or x-session-id header)", flush=True)
             print("ready; Ctrl+C stops everything", flush=True)
             signal.signal(signal.SIGINT, _raise_stop)
             while urls.gateway_process.poll() is None:

@@ -94,6 +94,11 @@ def test_one_command_runs_redis_replicas_and_the_gateway_and_stops_them_all(tiny
     (["--policy", "fastest"], "invalid choice"),
     (["--policy", "kv_aware"], "is not one of smg's"),  # the SGLang gateway reads no KV events
     (["--router", "vllm-router", "--", "--kv-events", "tcp://127.0.0.1:9"], "--kv-events is set by the cluster"),
+    # only vllm-router's kv_aware reads the session ids the agents send (tests/server/test_session_routing.py)
+    (["--session-affinity-ttl", "60"], "is for --router vllm-router with its kv_aware policy"),
+    (["--router", "vllm-router", "--policy", "random", "--session-affinity-ttl", "0"], "is for --router vllm-router"),
+    (["--router", "vllm-router", "--session-affinity-ttl", "-1"], "must not be negative"),
+    (["--router", "vllm-router", "--session-affinity-ttl", "31536001"], "at most 31536000"),
 ])
 def test_the_cluster_refuses_bad_flags_before_starting_anything(args, message):
     done = subprocess.run([sys.executable, "-m", "reuse_server.server.cli", "cluster", *args], cwd=REPO,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from reuse_server.server.cluster import gateway, replica_set
-from server_process import metric, scrape
+from server_process import metric, requests_finished, scrape
 
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
@@ -56,12 +56,6 @@ def cluster(tiny_llama_path, tmp_path_factory):
 
 def events(url: str) -> dict:
     return httpx.get(url + "/server_info").json()["kv_events"]
-
-
-def served(url: str) -> float:
-    """Requests the replica finished, whatever their finish reason (the random model may stop on its first
-    token: max_tokens 1 ends in length or stop)."""
-    return sum(value for (name, _), value in scrape(url).items() if name == "kvreuse_requests_total")
 
 
 def complete(url: str, prompt: str, chat: bool = False) -> dict:
@@ -104,10 +98,10 @@ def warm(url: str, prompt: str, chat: bool = False) -> dict:
 
 def routed(router: str, replicas: list[str], prompt: str, chat: bool = False) -> tuple[int, dict]:
     """Send `prompt` through the router; which replica served it, and the answer."""
-    before = [served(u) for u in replicas]
+    before = [requests_finished(u) for u in replicas]
     out = complete(router, prompt, chat)
     deadline = time.monotonic() + 30  # a replica counts its finished request just after the answer leaves
-    while not (grew := [i for i, u in enumerate(replicas) if served(u) > before[i]]) and time.monotonic() < deadline:
+    while not (grew := [i for i, u in enumerate(replicas) if requests_finished(u) > before[i]]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(grew) == 1, grew
     return grew[0], out
