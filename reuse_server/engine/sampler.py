@@ -78,8 +78,10 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)
-            # keep the smallest set whose mass reaches top_p (the token that crosses it stays)
+            # keep the smallest set whose mass reaches top_p (the token that crosses it stays); the most likely
+            # token always stays: a top_p below float32's smallest value compares as 0 and would drop them all
             drop = cumulative - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=gen).item())

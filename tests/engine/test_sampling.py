@@ -16,7 +16,10 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     s = Sampler()
     greedy = logits.argmax(-1).tolist()
-    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6),
+                   # found by the schema fuzzer: below float32's smallest value top_p compared as 0 and
+                   # dropped every token, and sampling from nothing stopped the engine
+                   SamplingParams(temperature=1.5, top_p=6.66e-68), SamplingParams(temperature=1.5, top_p=5e-324)):
         assert s.sample(logits, [SamplerState() for _ in range(6)], [params] * 6) == greedy
 
 
