@@ -9,10 +9,10 @@ import pytest
 
 from coding_agents import REPO, AgentRun, ClaudeCode, CodexCLI
 from loadgen.recording_proxy import Exchange, recording_proxy
-from reuse_server.server.cli import build_parser
 from reuse_server.server.launcher import ServerStartError, served
 
-# What a base model may write before it stops is unbounded; a short cap keeps a turn to its prefill's time.
+# What a base model may write before it stops is unbounded, and Codex sends no output limit: the server's
+# --max-tokens keeps a turn to about its prefill's time.
 ANSWER_CAP = 64
 AGENT_TIMEOUT = 900  # seconds for one CLI invocation: a 20k-token prefill takes ~23 s on 2 idle cores
 
@@ -20,19 +20,12 @@ CODEX_TASKS = ("Reply with the word hello.", "Now reply with the word goodbye.")
 CLAUDE_TASKS = ("Reply with the word hello.", "Now reply with the word goodbye.")
 
 
-def server_cap_args() -> list[str]:
-    """`--max-tokens N` (a server-wide cap on every answer) where this checkout's server has the flag: Codex
-    sends no output cap of its own."""
-    _, unknown = build_parser().parse_known_args(["serve", "--max-tokens", str(ANSWER_CAP)])
-    return [] if "--max-tokens" in unknown else ["--max-tokens", str(ANSWER_CAP)]
-
-
 @pytest.fixture(scope="session")
 def gemma_server(tmp_path_factory) -> tuple[str, str, int]:
     """(base URL, served model id, its context length) of `reuse-server serve --model gemma3-270m` (32k context) in a subprocess."""
     log = tmp_path_factory.mktemp("gemma-server") / "server.log"
     try:
-        with served(["--model", "gemma3-270m", *server_cap_args()], log, cwd=REPO) as (url, _):
+        with served(["--model", "gemma3-270m", "--max-tokens", str(ANSWER_CAP)], log, cwd=REPO) as (url, _):
             (model,) = httpx.get(url + "/v1/models").json()["data"]
             yield url, model["id"], model["max_model_len"]
     except ServerStartError as exc:

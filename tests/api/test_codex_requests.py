@@ -178,7 +178,4 @@ def test_a_prompt_longer_than_the_context_fails_as_codex_reads_it(server):
     status, (body,) = stream(url, codex_request(too_long, stream=False))
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert body["error"]["type"] == "invalid_request_error"
-    response = httpx.post(url + "/v1/responses", timeout=60,
-                          json=codex_request(FIRST_TURN, stream=False, max_output_tokens=4000))
-    assert response.status_code == 400 and response.json()["error"]["param"] == "max_output_tokens"
     assert metric(wait_idle(url), "kvreuse_kv_blocks", state="in_use") == 0
