@@ -70,7 +70,9 @@ class Sampler:
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        row = row / p.temperature
+        # a logit taken to +inf (a seen token's logit divided by a repetition_penalty of 1e-46, whose float32
+        # is 0) would make the softmax NaN: the largest finite value keeps such tokens the most likely ones
+        row = torch.clamp(row / p.temperature, max=torch.finfo(row.dtype).max)
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

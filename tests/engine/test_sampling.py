@@ -1,6 +1,8 @@
 """Sampling and stop conditions: the knobs a client turns must do what they say."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,6 +23,20 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
                    # dropped every token, and sampling from nothing stopped the engine
                    SamplingParams(temperature=1.5, top_p=6.66e-68), SamplingParams(temperature=1.5, top_p=5e-324)):
         assert s.sample(logits, [SamplerState() for _ in range(6)], [params] * 6) == greedy
+
+
+def test_a_vanishing_repetition_penalty_favours_the_seen_tokens_without_a_nan():
+    """Found by the schema fuzzer: repetition_penalty 2.15e-46 is 0 in float32, a seen token's positive logit
+    divided by it +inf, the softmax NaN, and sampling from it stopped the engine."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    seen = [int(logits[0].argmin()), int(logits[0].topk(3).indices[-1])]
+    logits[:, seen] = torch.tensor([0.5, 2.0])  # both positive: divided by the penalty, both go to +inf
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.1548906879527825e-46)
+    for seed in range(8):
+        states = [SamplerState() for _ in range(4)]
+        out = Sampler().sample(logits, states, [dataclasses.replace(params, seed=seed)] * 4,
+                               [(seen, [])] * 4)
+        assert set(out) <= set(seen)
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-8])
