@@ -241,8 +241,22 @@ class Turn:
             "skipped_tools": self.tools.skipped,  # extension: the tools left out of the prompt (README)
         }
 
+    def status(self, last: RequestOutput, reason: str | None) -> str:
+        """"incomplete" for an answer cut short: by max_output_tokens or a full context, or aborted. An answer
+        ended by the server's own --max-tokens on a request that set no max_output_tokens is "completed": that
+        cap is where this server ends every answer (as llama.cpp's --n-predict), not a limit the client asked
+        for, and Codex, which sends none, fails a turn that ends incomplete."""
+        if reason == "abort":
+            return "incomplete"
+        if reason != "length":
+            return "completed"
+        cap = self.engine.config.max_tokens
+        server_cap = self.body.max_output_tokens is None and cap is not None and last.num_output_tokens >= cap
+        return "completed" if server_cap else "incomplete"
+
     def finished(self, output: list[dict], last: RequestOutput, reason: str | None) -> dict:
-        return self.response("incomplete" if reason in ("length", "abort") else "completed", output, last, reason)
+        status = self.status(last, reason)
+        return self.response(status, output, last, reason if status == "incomplete" else None)
 
     async def store(self, chat: PreparedChat, response: dict, answer_ids: list[int]) -> None:
         if self.body.store is False:
@@ -297,7 +311,8 @@ async def create_response(engine, body: ResponsesRequest, request: Request) -> R
         events = numbered.wrap(response_events(turn, chat, answer_steps(chat, outputs)))
         return SSEResponse(named_sse_events(events, outputs, numbered.error_event))
     (answer,) = await whole_answers(chat, outputs, request)
-    response = turn.finished(whole_output(tools, answer), answer.last, answer.finish_reason)
+    response = turn.finished(whole_output(tools, answer, turn.status(answer.last, answer.finish_reason)),
+                             answer.last, answer.finish_reason)
     await turn.store(chat, response, answer.token_ids)
     return JSONResponse(response)
 
@@ -325,14 +340,14 @@ async def _nothing() -> AsyncIterator:
     yield
 
 
-def whole_output(tools: ResponsesTools, answer: Answer) -> list[dict]:
+def whole_output(tools: ResponsesTools, answer: Answer, status: str) -> list[dict]:
     items = OutputItems(tools)
     if answer.parsed.content:
         items.feed(StreamEvent("content", answer.parsed.content))
     for call in answer.parsed.calls:
         items.feed(StreamEvent("call", id=call.id, name=call.name))
         items.feed(StreamEvent("arguments", call.arguments))
-    items.close("incomplete" if answer.finish_reason == "length" else "completed")
+    items.close(status)
     return items.items
 
 
@@ -351,7 +366,7 @@ async def response_events(turn: Turn, chat: PreparedChat,
             for item in items.feed(event):
                 yield item
         if step.finish_reason is not None:
-            for item in items.close("incomplete" if step.finish_reason == "length" else "completed"):
+            for item in items.close(turn.status(step.out, step.finish_reason)):
                 yield item
             response = turn.finished(items.items, step.out, step.finish_reason)
             await turn.store(chat, response, answer_ids)
