@@ -1,4 +1,5 @@
 """A real `reuse-server serve` in a subprocess on a free loopback port, and readers of its /metrics."""
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,20 @@ def running_server(model_path, log_path: Path, *extra_args: str, served_name: st
     except ServerStartError as exc:
         pytest.fail(str(exc))
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 240.0) -> str:
+    """What a command (its stdout a text pipe) printed up to the line holding `marker`, e.g. `reuse-server
+    cluster`'s "ready"; fails if it exits first or takes longer than `timeout`."""
+    text = ""
+    deadline = time.monotonic() + timeout
+    while marker not in text:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"the command exited with {proc.poll()} before {marker!r}:\n{text}")
+        text += line
+        assert time.monotonic() < deadline, text
+    return text
 
 
 def scrape(url: str) -> dict:

@@ -124,6 +124,11 @@ class ClaudeCode(CodingAgent):
                 "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(self.max_output_tokens)}
 
 
+def codex_events(run: AgentRun) -> list[dict]:
+    """The JSON events `codex exec --json` printed, one a line (its turn.failed and error events among them)."""
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
 @dataclass
 class ClaudeResult:
     """The JSON object `claude -p --output-format json` prints. An answer cut at CLAUDE_CODE_MAX_OUTPUT_TOKENS

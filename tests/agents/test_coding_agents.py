@@ -5,14 +5,13 @@ accepted again when replayed, and no random corruption of one may get a 5xx.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 
 import httpx
 import pytest
 
-from coding_agents import AgentRun, ClaudeResult
+from coding_agents import AgentRun, ClaudeResult, codex_events
 from json_mutations import mutate
 from loadgen.http_recorder import sse_payloads
 from loadgen.recording_proxy import Exchange
@@ -22,10 +21,6 @@ pytestmark = [pytest.mark.agents, pytest.mark.server, pytest.mark.timeout(3600)]
 REUSED_SHARE = 0.9  # of the first turn's prompt, found in the cache by the next turn's first request
 FUZZ_VARIANTS = 1  # mutated copies sent of each recorded request (a mutation early in Claude Code's 20k-token
 # prompt recomputes everything after it: ~25 s on Gemma)
-
-
-def _codex_events(run: AgentRun) -> list[dict]:
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
 def _prompt_tokens(exchange: Exchange, run: AgentRun) -> int:
@@ -42,7 +37,7 @@ def _cached_tokens(exchange: Exchange, run: AgentRun) -> int:
 
 def test_codex_exec_then_resume_reuses_the_first_turn(codex_session):
     for run in (codex_session.first, codex_session.second):
-        failed = [e for e in _codex_events(run) if e.get("type") in ("error", "turn.failed")]
+        failed = [e for e in codex_events(run) if e.get("type") in ("error", "turn.failed")]
         assert run.returncode == 0 and not failed, run.describe()
         assert run.generations(), f"codex sent no request to the server\n{run.describe()}"
         assert all(e.status == 200 for e in run.generations()), run.describe()

@@ -7,28 +7,15 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from reuse_server.server.launcher import free_port
-from server_process import REPO
+from server_process import REPO, read_until
 
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
-
-
-def read_until(proc: subprocess.Popen, marker: str, timeout: float = 240.0) -> str:
-    text = ""
-    deadline = time.monotonic() + timeout
-    while marker not in text:
-        line = proc.stdout.readline()
-        if not line:
-            pytest.fail(f"the cluster exited with {proc.poll()} before {marker!r}:\n{text}")
-        text += line
-        assert time.monotonic() < deadline, text
-    return text
 
 
 def refuses(url: str) -> bool:
