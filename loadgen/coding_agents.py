@@ -82,6 +82,13 @@ class CodingAgent:
             raise AgentError(f"{self.binary_name} did not finish in {timeout:g} s\n{run.describe()}") from None
         return AgentRun(cmd, done.returncode, done.stdout, done.stderr, proxy.snapshot()[before:])
 
+    @classmethod
+    def for_server(cls, home: Path, workdir: Path, base_url: str, model: str, context_window: int,
+                   max_output_tokens: int) -> "CodingAgent":
+        """Set up as a user of a server with this context window would set it up; answers capped at
+        `max_output_tokens` where the agent has a cap of its own."""
+        raise NotImplementedError
+
     def turn(self, proxy: RecordingProxy, task: str, first: bool, timeout: float) -> AgentRun:
         """One turn of a session as its user types it: the session's first, or one continuing the last."""
         raise NotImplementedError
@@ -119,6 +126,10 @@ class CodexCLI(CodingAgent):
             "request_max_retries = 0\n"
             "stream_max_retries = 0\n")
 
+    @classmethod
+    def for_server(cls, home, workdir, base_url, model, context_window, max_output_tokens) -> "CodexCLI":
+        return cls(home, workdir, base_url, model, context_window)
+
     def env(self) -> dict[str, str]:
         return {**super().env(), "CODEX_HOME": str(self.codex_home), self.KEY_VARIABLE: DUMMY_KEY}
 
@@ -143,6 +154,10 @@ class ClaudeCode(CodingAgent):
     def __init__(self, home: Path, workdir: Path, base_url: str, model: str, max_output_tokens: int):
         super().__init__(home, workdir, base_url, model)
         self.max_output_tokens = max_output_tokens
+
+    @classmethod
+    def for_server(cls, home, workdir, base_url, model, context_window, max_output_tokens) -> "ClaudeCode":
+        return cls(home, workdir, base_url, model, max_output_tokens)
 
     def env(self) -> dict[str, str]:
         return {**super().env(), "CLAUDE_CONFIG_DIR": str(self.home / ".claude"), "ANTHROPIC_BASE_URL": self.base_url,

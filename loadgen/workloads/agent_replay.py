@@ -20,9 +20,8 @@ import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from loadgen.coding_agents import REPO, AgentError, ClaudeCode, CodexCLI, CodingAgent
+from loadgen.coding_agents import REPO, AgentError, ClaudeCode, CodexCLI, CodingAgent, agent_binary
 from loadgen.errors import UsageError
 from loadgen.recording_proxy import Exchange, recording_proxy
 from loadgen.workloads.spec import Session, Workload, WorkloadConfig
@@ -41,11 +40,7 @@ DEFAULT_CONTEXT = 32768  # Codex's window when the server does not say its max_m
 # the replay's requests are read as they arrive (TTFT, usage): ask for them uncompressed
 _NOT_REPLAYED_HEADERS = {"accept-encoding"}
 
-AgentFactory = Callable[[Path, Path, str, str, int, int], CodingAgent]
-AGENTS: dict[str, AgentFactory] = {
-    "agent-replay-codex": lambda home, work, url, model, window, cap: CodexCLI(home, work, url, model, window),
-    "agent-replay-claude-code": lambda home, work, url, model, window, cap: ClaudeCode(home, work, url, model, cap),
-}
+AGENTS: dict[str, type[CodingAgent]] = {"agent-replay-codex": CodexCLI, "agent-replay-claude-code": ClaudeCode}
 
 
 def task(turn: int) -> str:
@@ -72,13 +67,13 @@ class Recording:
                                    "body": json.loads(r.body)}) + "\n" for r in self.requests)
 
 
-def record_session(factory: AgentFactory, name: str, server: str, model: str, context_window: int, turns: int,
+def record_session(kind: type[CodingAgent], name: str, server: str, model: str, context_window: int, turns: int,
                    output_tokens: int) -> Recording:
     """Runs the agent for `turns` turns against `server` through the recording proxy; a request the server
     refused, or a turn that sent none, fails the recording (there would be nothing faithful to replay)."""
     with tempfile.TemporaryDirectory(prefix="agent-replay-") as tmp, recording_proxy(server) as (url, proxy):
         root = Path(tmp)
-        agent = factory(root / "home", root / "work", url, model, context_window, output_tokens)
+        agent = kind.for_server(root / "home", root / "work", url, model, context_window, output_tokens)
         for turn in range(turns):
             run = agent.turn(proxy, task(turn), first=turn == 0, timeout=TURN_TIMEOUT_S)
             refused = [e for e in run.exchanges if e.path.startswith("/v1/") and e.status != 200]
@@ -151,6 +146,10 @@ class AgentReplayWorkload(Workload):
 
 
 def build(name: str, cfg: WorkloadConfig) -> Workload:
+    try:
+        agent_binary(AGENTS[name].binary_name)  # before any traffic
+    except AgentError as exc:
+        raise UsageError(str(exc)) from None
     path = cfg.keep_recording
     if path is not None:
         resolved = path.resolve()

@@ -94,8 +94,8 @@ class Workload:
 
     def prepare(self, server: str, model: str, max_model_len: int | None) -> None:
         """Called once before any phase, with the target server, the model id and its context length when the
-        server says it. Workloads written in advance
-        have nothing to do; one made of what a real client sends (agent-replay) records it here."""
+        server says it. Workloads written in advance have nothing to do; one made of what a real client sends
+        (agent-replay) records it here."""
 
     @property
     def planned_requests(self) -> int:

@@ -68,6 +68,14 @@ def test_a_recording_is_never_kept_in_the_checkout(tmp_path, capsys):
     assert not inside.exists() and not (tmp_path / "out").exists()
 
 
+def test_an_agent_not_installed_is_one_clear_line_before_any_traffic(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("loadgen.coding_agents.AGENT_BIN", tmp_path / "bin")  # where nothing is installed
+    code = cli.main(["run", "--server", "http://127.0.0.1:1", "--workload", "agent-replay-claude-code", "--out",
+                     str(tmp_path / "out")])
+    assert code == 2
+    assert f"{tmp_path / 'bin' / 'claude'} is missing: `make agents` installs" in capsys.readouterr().err
+
+
 @dataclass
 class Replay:
     name: str
