@@ -168,8 +168,10 @@ class LoadClient:
         else:
             h = httpx
         transport = recording_transport(h)(h.AsyncHTTPTransport(), session.id, phase_start, deadline, results)
-        async with h.AsyncClient(transport=transport, timeout=self.timeout_s) as http:
-            if session.client == "anthropic":
+        async with h.AsyncClient(transport=transport, timeout=self.timeout_s, base_url=self.server) as http:
+            if session.client == "http":  # the driver sends its requests as they were recorded
+                client = http
+            elif session.client == "anthropic":
                 client = anthropic.AsyncAnthropic(base_url=self.server, api_key="loadgen", max_retries=0,
                                                   timeout=self.timeout_s, http_client=http)
             else:

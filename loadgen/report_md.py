@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 PREFIX_HELPS_BELOW = 0.5  # prefix hit rate under which a workload is listed as blending's job
-PER_STEP_WORKLOADS = ("agent-sdk", "agent-sdk-responses", "anthropic-tools")  # reported step by step as well
+PER_STEP_WORKLOADS = ("agent-sdk", "agent-sdk-responses", "anthropic-tools", "agent-replay-codex",
+                      "agent-replay-claude-code")  # reported step by step as well
 
 WHY_PREFIX_FAILS = {
     "agent-loop-timestamp": "a clock line near the top of the system prompt changes every step, so the prefix ends there "
@@ -173,7 +174,7 @@ def render_markdown(report: dict, plot_files: list[str]) -> str:
                     _server_rows(workloads))
     for name in (n for n in PER_STEP_WORKLOADS if n in workloads and workloads[n].get("by_turn")):
         lines += ["", f"## {name}: reuse per step", "",
-                  "Step k of every task: mean prompt tokens, share served from cache, TTFT p50 in ms (cached, "
+                  "Step k of every task (agent-replay: request k of every session): mean prompt tokens, share served from cache, TTFT p50 in ms (cached, "
                   "baseline) and the speedup.", ""]
         lines += _table(["step", "requests", "prompt tokens", "reuse rate", "TTFT ms", "baseline TTFT ms",
                          "TTFT speedup"], _step_rows(workloads[name]))

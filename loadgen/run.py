@@ -89,7 +89,13 @@ def register(subparsers) -> None:
     p.add_argument("--chars-per-token", type=positive_float, default=4.0,
                    help="characters per token for the prompt-size estimate (default 4, English BPE)")
     p.add_argument("--agents", type=positive_int, default=4, help="agent-loop: agents (default 4)")
-    p.add_argument("--turns", type=positive_int, default=12, help="agent-loop, multi-turn: turns per session at most; agent-sdk*, anthropic-tools: steps per task (default 12)")
+    p.add_argument("--turns", type=positive_int,
+                   help="agent-loop, multi-turn: turns per session at most; agent-sdk*, anthropic-tools: steps per task "
+                        "(default 12); agent-replay-*: user turns of the recorded session (default 5)")
+    p.add_argument("--sessions", type=positive_int,
+                   help="agent-replay-*: sessions replayed, --concurrency of them at once (default: --concurrency)")
+    p.add_argument("--keep-recording", type=Path, metavar="PATH",
+                   help="agent-replay-*: also write the recorded requests (JSON lines) to PATH, outside the checkout")
     p.add_argument("--system-tokens", type=positive_int, default=800,
                    help="agent-loop: system prompt with tool definitions; agent-sdk: the instructions (default 800)")
     p.add_argument("--tool-output-tokens", type=positive_int, default=120,
@@ -132,10 +138,11 @@ def register(subparsers) -> None:
 def workload_config(args) -> WorkloadConfig:
     return WorkloadConfig(
         seed=args.seed, requests=args.requests, output_tokens=args.output_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        chars_per_token=args.chars_per_token, agents=args.agents, turns=args.turns, system_tokens=args.system_tokens,
+        chars_per_token=args.chars_per_token, agents=args.agents, turns=args.turns or 12, system_tokens=args.system_tokens,
         tool_output_tokens=args.tool_output_tokens, docs_file=args.docs_file, doc_tokens=args.doc_tokens, rag_k=args.rag_k,
         rag_pool=args.rag_pool, return_fraction=args.return_fraction, trace_file=args.trace_file,
-        trace_block_tokens=args.trace_block_tokens, vocab_size=args.vocab_size, time_scale=args.time_scale)
+        trace_block_tokens=args.trace_block_tokens, vocab_size=args.vocab_size, time_scale=args.time_scale,
+        sessions=args.sessions or args.concurrency, replay_turns=args.turns or 5, keep_recording=args.keep_recording)
 
 
 def cache_salt_base(arg: str) -> str | None:
@@ -250,6 +257,9 @@ def main(args) -> int:
     if baseline_server is not None:
         baseline_model = model if baseline_server == server else served_model(baseline_server, args)
     out_dir = prepare_out_dir(args.out)
+    context = discover_model(server).max_model_len
+    for wl in workloads:  # before any phase: agent-replay records its agent against the server here
+        wl.prepare(server, model, context)
     flops_per_token = 2.0 * args.model_params
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     records: list[dict] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from loadgen.errors import UsageError
-from loadgen.workloads import agent_loop, agent_sdk, anthropic_tools, multi_turn, rag_shuffle, shared_doc, trace
+from loadgen.workloads import agent_loop, agent_replay, agent_sdk, anthropic_tools, multi_turn, rag_shuffle, shared_doc, trace
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
 
 # Workloads written in advance from the seed: `all` runs these.
@@ -16,11 +16,13 @@ BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
     "trace": trace.build,
 }
 WORKLOAD_NAMES = tuple(BUILDERS)
-# Workloads whose prompts depend on the model's answers (a real agent framework), run only when named.
+# Workloads whose prompts depend on the model's answers (a real agent framework) or on a real agent's recording
+# made at run time (agent-replay): run only when named.
 LIVE_BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
     agent_sdk.NAME: agent_sdk.build,
     agent_sdk.RESPONSES_NAME: agent_sdk.build,
     anthropic_tools.NAME: anthropic_tools.build,
+    **{name: agent_replay.build for name in agent_replay.AGENTS},
 }
 
 

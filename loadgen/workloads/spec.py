@@ -43,7 +43,9 @@ class Session:
     after: str | None = None  # id of a session that must finish before this one starts
     driver: SessionDriver | None = None
     planned: int = 0
-    client: str = "openai"  # the SDK the driver is handed: "openai" (AsyncOpenAI) or "anthropic" (AsyncAnthropic)
+    # what the driver is handed: "openai" (AsyncOpenAI), "anthropic" (AsyncAnthropic), or "http" (an httpx
+    # AsyncClient whose base URL is the server, for a driver sending requests as recorded: agent-replay)
+    client: str = "openai"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ class WorkloadConfig:
     trace_block_tokens: int = 512
     vocab_size: int = 49152
     time_scale: float = 0.0  # 0: no pacing; 1: real time; 0.01: 100x faster than the trace
+    # agent-replay
+    sessions: int = 4  # replayed sessions (users of the agent)
+    replay_turns: int = 5  # user turns of the recorded session
+    keep_recording: Path | None = None  # where to write the recording (outside the checkout), for debugging
 
     def tokens_to_chars(self, tokens: float) -> int:
         return max(1, int(tokens * self.chars_per_token))
@@ -85,6 +91,11 @@ class Workload:
     @property
     def requests(self) -> list[RequestSpec]:
         return [r for s in self.sessions for r in s.requests]
+
+    def prepare(self, server: str, model: str, max_model_len: int | None) -> None:
+        """Called once before any phase, with the target server, the model id and its context length when the
+        server says it. Workloads written in advance have nothing to do; one made of what a real client sends
+        (agent-replay) records it here."""
 
     @property
     def planned_requests(self) -> int:
