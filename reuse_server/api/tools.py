@@ -10,8 +10,12 @@ Call format: Hermes's, which Qwen2/2.5 and other ChatML models are trained on:
 Rendering. A chat template that takes `tools` and renders assistant `tool_calls` (Qwen2.5, Hermes) gets
 them as transformers passes them, with each call's arguments as an object. A template that does not
 (SmolLM2's, plain ChatML) gets the documented fallback:
-- the tools, one JSON definition a line, in a Hermes/Qwen-style block appended as its own text part to
-  the first system message (a system message holding only the block is put first when there is none);
+- the tools, one JSON definition a line, in a Hermes/Qwen-style block put as its own text part at the start
+  of the first system message (a system message holding only the block is put first when there is none):
+  before the instructions, as Anthropic's prompt caching orders a prompt (tools, system, messages), because
+  the tools are what every user of an agent shares, while its instructions carry each user's details early
+  (Claude Code writes the user's working and memory folders near the top of its system prompt): after
+  those, the tools would be computed again for every new session;
 - an assistant message's calls as the `<tool_call>` text above, each its own text part after its content,
   with the arguments exactly as the client sent them back (our own answer's text: the next step's prompt
   then repeats the tokens of the previous answer, which stay cached);
@@ -203,7 +207,7 @@ def _fallback(messages: list[dict], settings: ToolSettings) -> list[dict]:
         if settings.cache_control is not None:
             block["cache_control"] = settings.cache_control
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": _parts(out[0].get("content")) + [block]}
+            out[0] = {**out[0], "content": [block] + _parts(out[0].get("content"))}
         else:
             out.insert(0, {"role": "system", "content": [block]})
     return out

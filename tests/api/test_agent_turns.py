@@ -106,7 +106,7 @@ def test_gemma_folds_what_is_not_the_models_into_the_user_turn():
     tokenizer = load_tokenizer(resolve_model("gemma3-270m", "int8"))
     text = tokenizer.decode(rendered(tokenizer, steps()[-1]).token_ids)
     assert text == (
-        "<bos><start_of_turn>user\nYou are a coding agent.\n" + tools_block((WEATHER,))
+        "<bos><start_of_turn>user\n" + tools_block((WEATHER,)) + "\nYou are a coding agent."
         + "\n\nThe sandbox is read-only.\n\nWhat is the weather in Paris?<end_of_turn>\n"
         "<start_of_turn>model\n" + call_text("get_weather", ARGUMENTS) + "<end_of_turn>\n"
         "<start_of_turn>user\n<tool_response>\n" + OUTPUT + "\n</tool_response><end_of_turn>\n"
@@ -137,7 +137,7 @@ def test_smollm2_gives_every_system_message_a_turn_of_its_own():
     and one in the middle (its rendering of these is the template's own, unchanged)."""
     tokenizer = load_tokenizer(resolve_model("smollm2", "int4"))
     text = tokenizer.decode(rendered(tokenizer, steps()[-1]).token_ids)
-    assert text.startswith("<|im_start|>system\nYou are a coding agent.\n" + tools_block((WEATHER,)) + "<|im_end|>\n"
+    assert text.startswith("<|im_start|>system\n" + tools_block((WEATHER,)) + "\nYou are a coding agent.<|im_end|>\n"
                            "<|im_start|>system\nThe sandbox is read-only.<|im_end|>\n<|im_start|>user\n")
     assert ("<|im_start|>assistant\nIt is sunny.<|im_end|>\n<|im_start|>system\nAnswer in French from now on."
             "<|im_end|>\n<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n") in text

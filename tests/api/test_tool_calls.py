@@ -120,7 +120,13 @@ def test_fallback_puts_tools_in_the_system_message_as_a_part_of_their_own(tokeni
     prompt = render_chat_prompt(tokenizer, body.messages, settings)
     text = tokenizer.decode(prompt.token_ids)
     block = tools_block(settings.tools)
-    assert text.startswith("<|im_start|>system\nBe brief." + PART_SEPARATOR + block + "<|im_end|>")
+    # first, before the instructions: two users whose instructions differ share the tools' tokens
+    assert text.startswith("<|im_start|>system\n" + block + PART_SEPARATOR + "Be brief.<|im_end|>")
+    other = [{"role": "system", "content": "Be thorough."}, USER]
+    other_ids = render_chat_prompt(tokenizer, request(messages=other, tools=[WEATHER, TIME]).messages,
+                                   settings).token_ids
+    shared = next(i for i, (a, b) in enumerate(zip(prompt.token_ids, other_ids)) if a != b)
+    assert shared >= len(tokenizer.encode("<|im_start|>system\n" + block, add_special_tokens=False))
     assert json.dumps(WEATHER) in block and json.dumps(TIME) in block
     # the block is a chunk of its own: the same tokens whatever the system message says
     block_ids = tokenizer.encode(block, add_special_tokens=False)
