@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +58,7 @@ class AgentRun:
         return "\n".join(lines)
 
 
-class CodingAgent:
+class CodingAgent(ABC):
     """A CLI run in `workdir` with HOME at `home`, talking to `base_url` (the recording proxy's), as `model`."""
     binary_name: str
 
@@ -83,19 +84,19 @@ class CodingAgent:
         return AgentRun(cmd, done.returncode, done.stdout, done.stderr, proxy.snapshot()[before:])
 
     @classmethod
+    @abstractmethod
     def for_server(cls, home: Path, workdir: Path, base_url: str, model: str, context_window: int,
                    max_output_tokens: int) -> "CodingAgent":
         """Set up as a user of a server with this context window would set it up; answers capped at
         `max_output_tokens` where the agent has a cap of its own."""
-        raise NotImplementedError
 
+    @abstractmethod
     def turn(self, proxy: RecordingProxy, task: str, first: bool, timeout: float) -> AgentRun:
         """One turn of a session as its user types it: the session's first, or one continuing the last."""
-        raise NotImplementedError
 
+    @abstractmethod
     def identities(self, exchange: Exchange) -> set[str]:
         """The ids in a request the agent sent that name its user: the session's, the installation's."""
-        raise NotImplementedError
 
 
 class CodexCLI(CodingAgent):
