@@ -36,5 +36,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="no CUDA device (make gpu-check runs these on a lent GPU)")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
