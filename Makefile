@@ -13,7 +13,7 @@ ifeq ($(origin OMP_WAIT_POLICY),undefined)
 export GOMP_SPINCOUNT ?= 3000
 endif
 
-.PHONY: venv serve test bench clean redis-server aiperf agents node
+.PHONY: venv serve test bench clean redis-server aiperf agents node gpu-check
 
 venv: $(STAMP)
 
@@ -84,6 +84,15 @@ $(AIPERF_STAMP):
 
 bench: $(STAMP) $(AIPERF_STAMP)
 	$(PY) -m benchmarks.run_all
+
+# What this server does on a CUDA device, as one JSON (benchmarks/gpu_check.py; when and how: DEVELOPERS.md).
+# On a lent GPU machine there is no .venv: its python3 holds torch with CUDA. Without a CUDA device it says so
+# and fails; GPU_CHECK_ARGS=--dry-run runs the same code on the CPU at tiny shapes.
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+GPU_CHECK_OUT ?= gpu_check.json
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PY) -m benchmarks.gpu_check --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(AIPERF_VENV) $(AGENTS_DIR)/node_modules .pytest_cache

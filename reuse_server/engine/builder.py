@@ -62,22 +62,42 @@ class EngineParts:
     events: KVEvents | None
 
 
-def build_engine(config: EngineConfig):
-    """A ready LLMEngine for `config` (ValueError for bad settings, ModelLoadError for a bad model)."""
+def build_engine(config: EngineConfig, loaded: "LoadedModel | None" = None):
+    """A ready LLMEngine for `config` (ValueError for bad settings, ModelLoadError for a bad model), around
+    `loaded` if given."""
     from reuse_server.engine.engine import LLMEngine
 
-    return LLMEngine(build_parts(config))
+    return LLMEngine(build_parts(config, loaded))
 
 
-def build_parts(config: EngineConfig) -> EngineParts:
-    config.validate()
-    dtype = resolve_dtype(config.dtype, config.device)
+@dataclass
+class LoadedModel:
+    """A model ready to be served and where it came from: what build_parts loads for config.model, or one built
+    in the process (benchmarks/gpu_check.py: random weights in a checkpoint's shape, which no file holds)."""
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object
+    weight_dtype: str
+    path: Path | None  # the folder it was loaded from (the key shift's calibration is kept per folder)
+
+
+def load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
     weight_dtype, why = choose_weight_dtype(config.weight_dtype, model_source(config.model), config.device, dtype)
     log.info("weights in %s (%s)%s", weight_dtype, why, "; their products on int8 activations (--activation-dtype "
              "int8: logits not fp32 activations')" if config.activation_dtype == "int8" else "")
     path = resolve_model(config.model, weight_dtype)
     model, mc = load_model(path, dtype=dtype, device=config.device, weight_dtype=weight_dtype)
-    tokenizer = load_tokenizer(path)
+    return LoadedModel(model, mc, load_tokenizer(path), weight_dtype, path)
+
+
+def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """The parts for `config`, around `loaded` if given (else the model config.model names, loaded here)."""
+    config.validate()
+    dtype = resolve_dtype(config.dtype, config.device)
+    if loaded is None:
+        loaded = load(config, dtype)
+    model, mc, tokenizer, path, weight_dtype = (loaded.model, loaded.model_config, loaded.tokenizer, loaded.path,
+                                                loaded.weight_dtype)
     bs = config.block_size
     kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
     identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo, config.activation_dtype)
@@ -112,6 +132,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
         first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
         query_weight=config.blend_query_weight)
+    if config.blend_key_shift and path is None:
+        raise ValueError("the key shift is calibrated per model folder: a model built in the process needs "
+                         "blend_key_shift=False")
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,
                       key_shift)
@@ -194,10 +217,12 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     # whole even while the step before it is still being written (past the bound, blocks are dropped)
     queue = max(MIN_WRITE_QUEUE_BYTES, 2 * config.max_num_batched_tokens // pool.block_size * layout.nbytes)
     host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
-    disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue)
-            if config.disk_cache_dir else None)
-    remote = (RedisTier(config.redis_url, ctx, timeout=config.redis_timeout, max_queue_bytes=queue)
-              if config.redis_url else None)
+    from reuse_server.kv.tiers.reads import read_buffer  # pinned for a CUDA pool: its loads copy asynchronously
+
+    disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue,
+                     reads=read_buffer(layout.nbytes, pool.device)) if config.disk_cache_dir else None)
+    remote = (RedisTier(config.redis_url, ctx, timeout=config.redis_timeout, max_queue_bytes=queue,
+                        reads=read_buffer(layout.nbytes, pool.device)) if config.redis_url else None)
     log.info("KV tiers: %s", ", ".join(t.name for t in (host, disk, remote) if t is not None))
     return KVTiers(pool, host, disk, remote, config.disk_write_policy, tier_dtype, fetch=config.tier_fetch,
                    host_write_policy=config.host_write_policy)

@@ -26,6 +26,7 @@ a block's scale never depends on a previous owner's tokens."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -434,7 +435,7 @@ class KVPool:
         if data.dtype != torch.uint8 or tuple(data.shape) != (len(blocks), layout.nbytes):
             raise ValueError(f"expected uint8 [{len(blocks)}, {layout.nbytes}] block buffers, got "
                              f"{data.dtype} {tuple(data.shape)}")
-        values, scales = block_codec.unpack(data.to(self.device), layout, self.layout)
+        values, scales = block_codec.unpack(upload(data, self.device), layout, self.layout)
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # a slice copies faster than an index
             ids = slice(blocks[0], blocks[0] + len(blocks))
         else:
@@ -543,3 +544,50 @@ class PinnedStaging:
         out = torch.empty(packed.shape, dtype=torch.uint8)
         self._pending = StagedCopy(event, staged, out)
         return out, self._pending
+
+
+def upload(data: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`data` on `device`: on CUDA from pinned host memory asynchronously (HostUploads), else as torch copies."""
+    if device.type == "cuda" and data.device.type == "cpu" and data.is_pinned():
+        return HostUploads.of(device).copy(data)
+    return data.to(device)
+
+
+class HostUploads:
+    """Host -> device copies of blocks loaded from a tier into a CUDA pool (tiers/reads.PinnedReadBuffer's rows):
+    non_blocking from pinned memory on a side stream, so the engine thread goes on while the bytes cross, and
+    the compute stream waits for the copy's event before anything it queues after uses them. The host memory of
+    the last copy may be written again only after `wait()` (PinnedReadBuffer asks before reusing its rows).
+    One per device, shared by a layered pool's two pools."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._last: torch.cuda.Event | None = None
+
+    @staticmethod
+    def of(device: torch.device) -> "HostUploads":
+        device = torch.device(device)
+        return _uploads(torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index))
+
+    def copy(self, data: torch.Tensor) -> torch.Tensor:
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):  # allocated on the side stream: the allocator orders its reuse there
+            out = data.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        compute.wait_event(copied)  # the pool's writes and every step after see the bytes
+        out.record_stream(compute)  # nor is its memory given to the side stream again before they have run
+        self._last = copied
+        return out
+
+    def wait(self) -> None:
+        """Until the last copy has read its host memory."""
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
+
+
+@functools.cache
+def _uploads(device: torch.device) -> HostUploads:
+    return HostUploads(device)

@@ -8,9 +8,12 @@ group of 32 reads 5 bits a weight where fp32 reads 32. Kernels, by device:
   on this model's layer shapes (`choose_cpu_kernel`) and logged; a kernel is only a candidate if a row's result
   does not depend on the other rows of its step (prefix reuse stays exact). A kind without any kernel here
   (int8/bf16 where the native kernels cannot be built) runs on its dequantized fp32 weights (oneDNN).
-- CUDA (untested here: no GPU in this project's CI): int4 through torch's `_weight_int4pack_mm` (bf16
-  activations, sm80+); int8, bf16 and shapes that kernel does not take dequantize per call to the compute
-  dtype and run F.linear (the memory saving without the speed).
+- CUDA, and any compute dtype other than fp32 (CUDA's paths are checked on the CPU in bf16, and on a lent GPU
+  by `make gpu-check`): bf16 weights as one dense matrix in the compute dtype (DenseLinear: the tensor cores'
+  own product, no widening per call); int4 through torch's `_weight_int4pack_mm` (bf16 activations, sm80+);
+  int8 with one scale per output through torch's `_weight_int8pack_mm`; other int8 (GGUF's Q8_0: a scale per
+  32 inputs, which that kernel cannot take) and int4 shapes torch's kernel does not take are dequantized per
+  call to the compute dtype (the memory saving without the speed).
 - Anywhere else (and before packing): QuantizedLinear, the reference: dequantize, then F.linear.
 
 Before `pack_quantized` the model holds QuantizedLinear / QuantizedEmbedding placeholders (the loader's);
@@ -238,6 +241,66 @@ class TorchInt4Linear(nn.Module):
         return f"int4, in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
+class TorchInt8Linear(nn.Module):
+    """int8 codes with one scale per output (no minimum) through torch's `_weight_int8pack_mm` (CPU and CUDA):
+    y = (x W_codes^T) * scale. GGUF's Q8_0 has a scale per 32 inputs, which this kernel cannot take."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, device="cpu",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if not self.takes(weight):
+            raise ValueError(f"torch's int8 kernel does not take {weight.kind} {weight.shape} group={weight.group}"
+                             f"{' with minimums' if weight.mins is not None else ''}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.__dict__["codes"] = weight.codes.to(device).contiguous()
+        self.__dict__["scales"] = weight.scales.reshape(-1).to(device, dtype).contiguous()
+        self.__dict__["bias"] = None if bias is None else bias.detach().to(device, dtype)
+
+    @classmethod
+    def takes(cls, weight: QuantizedWeight) -> bool:
+        return (weight.kind == "int8" and weight.mins is None and weight.group >= weight.shape[1]
+                and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+
+    @classmethod
+    def stacked(cls, weights, biases, **kw) -> "TorchInt8Linear":
+        return cls(stack(weights), _stack_biases(weights, biases), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.dtype).contiguous(), self.codes,
+                                               self.scales)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"int8, in_features={self.in_features}, out_features={self.out_features}, scale per output"
+
+
+class DenseLinear(nn.Module):
+    """bf16 weights as one dense matrix in the compute dtype, converted once when packed: on CUDA in bf16 the
+    matrix is the codes themselves and the product is cuBLAS's on the tensor cores (DequantLinear would widen
+    the whole matrix through fp32 on every call)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if weight.kind != "bf16":
+            raise ValueError(f"DenseLinear holds bf16 weights, not {weight.kind}")
+        self.out_features, self.in_features = weight.shape
+        self.__dict__["weight"] = weight.codes.to(dtype).contiguous()
+        self.__dict__["bias"] = None if bias is None else bias.detach().to(weight.codes.device, dtype)
+
+    @classmethod
+    def stacked(cls, weights, biases, **kw) -> "DenseLinear":
+        return cls(stack(weights), _stack_biases(weights, biases), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"bf16 dense in {self.weight.dtype}, in_features={self.in_features}, out_features={self.out_features}"
+
+
 class DequantLinear(QuantizedLinear):
     """The codes on the device, dequantized per call to the compute dtype: memory saved, speed not gained.
     CUDA's int8 and bf16, and int4 shapes torch's kernel does not take."""
@@ -407,8 +470,19 @@ def _maker(device: torch.device, dtype: torch.dtype, kinds: set[str], layer, all
         return make
 
     def make(weights, biases):
-        merged = stack(weights)
-        if TorchInt4Linear.takes(merged, device) and dtype == torch.bfloat16:
-            return TorchInt4Linear(merged, _stack_biases(weights, biases), device=device, dtype=dtype)
-        return DequantLinear(merged, _stack_biases(weights, biases))
+        merged, bias = stack(weights), _stack_biases(weights, biases)
+        return device_linear(merged, bias, device, dtype)
     return make
+
+
+def device_linear(weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                  dtype: torch.dtype) -> nn.Module:
+    """The module serving `weight` off the CPU's fp32 path (CUDA, or a compute dtype other than fp32): dense
+    bf16, then torch's int4 and int8 kernels where their shapes allow, else dequantizing per call."""
+    if weight.kind == "bf16":
+        return DenseLinear(weight, bias, dtype)
+    if TorchInt4Linear.takes(weight, device) and dtype == torch.bfloat16:
+        return TorchInt4Linear(weight, bias, device=device, dtype=dtype)
+    if TorchInt8Linear.takes(weight):
+        return TorchInt8Linear(weight, bias, device=device, dtype=dtype)
+    return DequantLinear(weight, bias)

@@ -4,7 +4,8 @@ Quality is measured against fp32 weights by benchmarks/bench_weights.py (first-t
 prompts, greedy agreement over generated tokens) and checked in here by the model file's fingerprint, so the
 choice costs one pass over the file at start. A model without measurements gets the narrowest dtype that holds
 its weights exactly: a GGUF whose matrices are all Q4_0/Q4_1/Q4_K loads as int4 (and Q8_0/Q5_K/Q6_K as int8)
-with the very values its fp32 conversion has; a bf16 checkpoint as bf16; anything else stays fp32."""
+with the very values its fp32 conversion has; a bf16 checkpoint as bf16; anything else stays fp32. On CUDA `auto` is dense weights in the compute dtype
+(bf16 by default: DenseLinear in quant_linear.py)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def choose(requested: str, source: Path, device: str = "cpu", compute_dtype: tor
         if requested not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {requested!r}; choose auto or one of {', '.join(WEIGHT_DTYPES)}")
         return requested, "requested"
+    if torch.device(device).type == "cuda":
+        # A GPU's decode is the weights' bytes at batch 1 but the tensor cores' products at any real batch:
+        # dense matrices in the compute dtype serve both at cuBLAS's speed (int4/int8 save memory on request)
+        if compute_dtype == torch.bfloat16:
+            return "bf16", "on CUDA: dense bf16 products on the tensor cores (--weight-dtype int4/int8 to save memory)"
+        return "fp32", f"on CUDA: dense {compute_dtype} products (--weight-dtype int4/int8 to save memory)"
     if torch.device(device).type == "cpu" and compute_dtype != torch.float32:
         return "fp32", f"the CPU's quantized kernels compute in float32; weights stay in {compute_dtype} as --dtype says"
     source = Path(source)

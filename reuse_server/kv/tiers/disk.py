@@ -48,7 +48,8 @@ def _open_ahead(path: str) -> "int | OSError":
 class DiskTier:
     name = "disk"
 
-    def __init__(self, root: Path, capacity_bytes: int, ctx: BlobContext, max_queue_bytes: int = 256 << 20):
+    def __init__(self, root: Path, capacity_bytes: int, ctx: BlobContext, max_queue_bytes: int = 256 << 20,
+                 reads: ReadBuffer | None = None):
         self.ctx = ctx
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
@@ -57,7 +58,7 @@ class DiskTier:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file size, least recently used first
         self._bytes = 0
         self._lock = threading.Lock()  # the index is shared by the engine thread and the writer
-        self._reads = ReadBuffer(ctx.kv_bytes)
+        self._reads = reads or ReadBuffer(ctx.kv_bytes)  # a CUDA pool's is pinned (reads.read_buffer)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._rebuild_index()

@@ -31,10 +31,13 @@ class ReadBuffer:
         self._buffer: torch.Tensor | None = None
         self._handed: list[weakref.ref] = []
 
+    def _allocate(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.row_bytes), dtype=torch.uint8)
+
     def rows(self, n: int) -> list[torch.Tensor]:
         """n rows (uint8 [row_bytes] each) that nothing else uses, adjacent in memory in order."""
         if self._buffer is None or self._buffer.shape[0] < n or any(r() is not None for r in self._handed):
-            self._buffer = torch.empty((n, self.row_bytes), dtype=torch.uint8)
+            self._buffer = self._allocate(n)
         rows = list(self._buffer[:n].unbind(0))
         if self._buffer.numel() > KEEP_AT_MOST:
             self._buffer, self._handed = None, []
@@ -51,3 +54,28 @@ class ReadBuffer:
             return targets, targets
         payloads = self.rows(len(hashes))
         return payloads, [[row.numpy()] for row in payloads]
+
+
+class PinnedReadBuffer(ReadBuffer):
+    """ReadBuffer for a CUDA pool: rows in pinned host memory, which the pool copies to the device
+    asynchronously (KVPool.import_blocks through kv.pool.HostUploads: a pageable source would be staged by the
+    driver synchronously); before its rows are handed out again, the last copy out of them has finished."""
+
+    def __init__(self, row_bytes: int, device: torch.device):
+        super().__init__(row_bytes)
+        from reuse_server.kv.pool import HostUploads
+
+        self.uploads = HostUploads.of(torch.device(device))
+
+    def _allocate(self, n: int) -> torch.Tensor:
+        return torch.empty((n, self.row_bytes), dtype=torch.uint8, pin_memory=True)
+
+    def rows(self, n: int) -> list[torch.Tensor]:
+        self.uploads.wait()
+        return super().rows(n)
+
+
+def read_buffer(row_bytes: int, device) -> ReadBuffer:
+    """The read buffer for a pool on `device`: pinned for a CUDA pool, plain host memory otherwise."""
+    device = torch.device(device)
+    return PinnedReadBuffer(row_bytes, device) if device.type == "cuda" else ReadBuffer(row_bytes)

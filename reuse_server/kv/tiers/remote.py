@@ -51,7 +51,8 @@ MGET_BATCH = 8
 class RedisTier:
     name = "redis"
 
-    def __init__(self, url: str, ctx: BlobContext, timeout: float = 0.25, max_queue_bytes: int = 256 << 20):
+    def __init__(self, url: str, ctx: BlobContext, timeout: float = 0.25, max_queue_bytes: int = 256 << 20,
+                 reads: ReadBuffer | None = None):
         self.ctx = ctx
         self.url = url
         self.stats = TierStats()
@@ -61,7 +62,7 @@ class RedisTier:
             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._refusing_writes = False  # Redis answers but refuses SETs (logged once until one succeeds)
-        self._reads = ReadBuffer(ctx.kv_bytes)
+        self._reads = reads or ReadBuffer(ctx.kv_bytes)  # a CUDA pool's is pinned (reads.read_buffer)
         self._lock = threading.Lock()  # outage state and `_known` are shared by the engine thread and the writer
         self._down_since: float | None = None
         self._retry_at = 0.0
