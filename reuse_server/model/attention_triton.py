@@ -84,8 +84,9 @@ def _paged_attention(
     key_lo = 0
     if window > 0:
         key_lo = tl.maximum(tl.min(tl.where(row_ok, pos, 2147483647), axis=0) - window + 1, 0)
-    num_key_tiles = tl.cdiv(tl.maximum(key_hi - key_lo, 0), BLOCK_N)
-    per_split = tl.cdiv(num_key_tiles, NUM_SPLITS)
+    # (ceiling divisions by hand: tl.cdiv is a kernel of its own, which the interpreter pays for at every call)
+    num_key_tiles = (tl.maximum(key_hi - key_lo, 0) + BLOCK_N - 1) // BLOCK_N
+    per_split = (num_key_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     first_tile = split * per_split
     end_tile = tl.minimum(first_tile + per_split, num_key_tiles)
 
@@ -202,7 +203,7 @@ class TritonPlan:
 
     def __init__(self, query_start: list[int], block_tables: list[torch.Tensor], context_lens: list[int],
                  positions: torch.Tensor, block_size: int, group: int, head_dim: int,
-                 splits: int | None = None):
+                 splits: int | None = None, block_n: int | None = None):
         n = len(query_start) - 1
         if len(block_tables) != n or len(context_lens) != n:
             raise ValueError("query_start, block_tables and context_lens disagree on the number of sequences")
@@ -211,6 +212,7 @@ class TritonPlan:
         device = positions.device
         most_rows = max((query_start[s + 1] - query_start[s] for s in range(n)), default=1)
         self.block_m, self.block_q, self.block_n = tile_shape(group, head_dim, most_rows, device)
+        self.block_n = block_n or self.block_n
         tiles, offset = [], 0
         for s in range(n):
             lo, hi, ctx = query_start[s], query_start[s + 1], context_lens[s]
@@ -233,10 +235,12 @@ class TritonPlan:
 class TritonAttentionKernel:
     """The paged Triton kernel as the model's attention (model.backend.attention): `takes` says which calls
     it serves, `plan` builds a step's plan once (shared by every layer of one pool), the call attends.
-    splits: force the split-KV parts (tests); None: num_splits decides."""
+    splits, block_n: force the split-KV parts and the keys read at a time (tests: short contexts through
+    several key tiles and parts); None: num_splits and tile_shape decide."""
 
-    def __init__(self, splits: int | None = None):
+    def __init__(self, splits: int | None = None, block_n: int | None = None):
         self.splits = splits
+        self.block_n = block_n
 
     @staticmethod
     def takes(q: torch.Tensor, pool) -> bool:
@@ -246,7 +250,7 @@ class TritonAttentionKernel:
 
     def plan(self, meta, positions: torch.Tensor, pool, num_heads: int) -> TritonPlan:
         return TritonPlan(meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size,
-                          num_heads // pool.num_kv_heads, pool.head_dim, self.splits)
+                          num_heads // pool.num_kv_heads, pool.head_dim, self.splits, self.block_n)
 
     def __call__(self, q: torch.Tensor, plan: TritonPlan, pool, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:
