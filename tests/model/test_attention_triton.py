@@ -140,3 +140,15 @@ MAX_SPLITS_EXPECTED = 16
 
 def triton_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def test_gpu_check_rows_compare_the_kernel_with_the_torch_path():
+    """What `make gpu-check` records per kernel shape (benchmarks/gpu_check_kernels.py), on a small shape."""
+    from benchmarks.gpu_check_kernels import KernelShape, kernel_rows
+
+    shape = KernelShape("tiny", heads=4, kv_heads=2, head_dim=64, batch=2, context=20, new_rows=3, window=None,
+                        kv_dtype="int8", dtype="float32")
+    [row] = kernel_rows(DEVICE, [shape], repeats=1)
+    assert row["kernel"] == "paged_extend" and row["shape"]["kv_dtype"] == "int8"
+    assert 0 <= row["max_abs_err"] <= 1e-4 and row["seconds"] > 0
+    assert row["kv_bytes_read"] == 2 * 20 * (2 * 2 * 64 * 1 + 2 * 2 * 4)  # int8 values and fp32 scales, K and V
