@@ -18,7 +18,7 @@ from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
 from reuse_server.engine.blender import Blender, BlendSettings, layer_inv_freq
-from reuse_server.engine.config import EngineConfig, resolve_dtype
+from reuse_server.engine.config import EngineConfig, resolve_attention_backend, resolve_dtype
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
@@ -49,6 +49,7 @@ class EngineParts:
     weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
     fingerprint: ModelFingerprint
     attention_kernel: bool  # the CPU attention kernel serves this model
+    attention_backend: str  # --attention-backend, auto resolved (native where its kernel could not serve: torch)
     max_model_len: int
     pool: KVPool
     cache: RadixCache
@@ -102,9 +103,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
     kv_dtype = kv_quant.pool_dtype(config.kv_dtype, dtype)
     identity = fingerprint(model, mc, tokenizer, dtype, kv_dtype, bs, config.hash_algo, config.activation_dtype)
     model.pack_for_cpu(config.cpu_matmul, config.activation_dtype)
-    # Only fp32 on the CPU runs through the kernel; elsewhere it would be built for nothing.
-    on_cpu_fp32 = torch.device(config.device).type == "cpu" and dtype == torch.float32
-    attention_kernel = config.cpu_attention == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel()
+    attention_backend = _use_attention_backend(model, config, dtype)
+    attention_kernel = attention_backend == "native"
 
     pool = build_pool(config, mc, kv_dtype, dtype)
     num_blocks = pool.num_blocks
@@ -147,7 +147,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         config=config, model=model, model_config=mc, tokenizer=tokenizer,
         names=model_names(config.model, config.served_model_name), weight_dtype=weight_dtype,
         fingerprint=identity,
-        attention_kernel=attention_kernel,
+        attention_kernel=attention_kernel, attention_backend=attention_backend,
         max_model_len=max_model_len,
         pool=pool, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
         runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers,
@@ -159,6 +159,27 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
                  len(pool.window_layers), pool.window, window.num_window_blocks - 1, pool.window_bytes_per_token)
     _return_freed_memory()
     return parts
+
+
+def _use_attention_backend(model, config: EngineConfig, dtype: torch.dtype) -> str:
+    """Point the model's attention at --attention-backend's kernel; returns the backend that serves it."""
+    backend = resolve_attention_backend(config.attention_backend, config.device)
+    device = torch.device(config.device)
+    if backend == "triton":
+        try:
+            from reuse_server.model.attention_triton import runs_on
+        except ImportError as exc:
+            raise ValueError(f"--attention-backend triton needs triton installed: {exc}") from exc
+        if not runs_on(device):
+            raise ValueError(f"--attention-backend triton runs on CUDA, or on the CPU in Triton's interpreter "
+                             f"(TRITON_INTERPRET=1 in the environment), not on {device}")
+        model.use_triton_attention()
+        return backend
+    # Only fp32 on the CPU runs through the native kernel; elsewhere it would be built for nothing.
+    on_cpu_fp32 = device.type == "cpu" and dtype == torch.float32
+    if backend == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel():
+        return backend
+    return "torch"
 
 
 def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPool | LayeredKVPool":

@@ -9,7 +9,17 @@ from reuse_server.kv import layout as kv_layout  # torch-free
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 CPU_MATMULS = ("native", "onednn", "torch")
-CPU_ATTENTIONS = ("native", "torch")
+# --attention-backend: native, the C++ paged kernel (model/cpu_attention.cpp: fp32 on the CPU, torch's SDPA for
+# the rest); torch, SDPA over gathered K/V; triton, the paged Triton kernel (model/attention_triton.py: CUDA, or
+# the CPU in Triton's interpreter); auto, native on the CPU and triton on CUDA.
+ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """The backend --attention-backend names on `device` ('auto' resolved)."""
+    if name == "auto":
+        return "native" if device.split(":")[0] == "cpu" else "triton"
+    return name
 ACTIVATION_DTYPES = ("fp32", "int8")  # --activation-dtype (model/quant_linear.py)
 
 
@@ -45,7 +55,7 @@ class EngineConfig:
     # linear layers on weights packed once (model/cpu_linear.py): native kernel (fp32; else oneDNN), onednn, or
     # torch (F.linear)
     cpu_matmul: str = "native"
-    cpu_attention: str = "native"  # native: the paged attention kernel (model/cpu_attention.cpp); torch: SDPA
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
@@ -108,8 +118,9 @@ class EngineConfig:
             problems.append(f"unknown activation_dtype {self.activation_dtype!r}; choose {', '.join(ACTIVATION_DTYPES)}")
         if self.cpu_matmul not in CPU_MATMULS:
             problems.append(f"unknown cpu_matmul {self.cpu_matmul!r}; choose {', '.join(CPU_MATMULS)}")
-        if self.cpu_attention not in CPU_ATTENTIONS:
-            problems.append(f"unknown cpu_attention {self.cpu_attention!r}; choose {', '.join(CPU_ATTENTIONS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            problems.append(f"unknown attention_backend {self.attention_backend!r}; choose "
+                            f"{', '.join(ATTENTION_BACKENDS)}")
         try:
             check_block_size(self.block_size)
         except ValueError as exc:

@@ -38,6 +38,7 @@ class LLMEngine:
         self.weight_dtype = parts.weight_dtype
         self.fingerprint = parts.fingerprint
         self.attention_kernel = parts.attention_kernel
+        self.attention_backend = parts.attention_backend
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
         self.cache = parts.cache

@@ -254,7 +254,8 @@ def _attend_split(q: torch.Tensor, meta: AttentionMetadata, pool, layer: int, s:
     o_rest, lse_rest = flash(folded, k_rest.transpose(0, 1).unsqueeze(0), v_rest.transpose(0, 1).unsqueeze(0),
                              attn_mask=seq_mask.folded(0, n, ctx, group, prefix), scale=scale)[:2]
     # softmax over both parts = each part's softmax weighted by its share of the total exp-sum
-    share_run = torch.sigmoid(lse_run - lse_rest).unsqueeze_(-1)
+    # (the log-sum-exps are fp32 whatever the outputs' dtype: lerp takes a weight of the outputs' own)
+    share_run = torch.sigmoid(lse_run - lse_rest).unsqueeze_(-1).to(o_run.dtype)
     return _unfold_heads(torch.lerp(o_rest, o_run, share_run), n)
 
 

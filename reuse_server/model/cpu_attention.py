@@ -44,6 +44,12 @@ class CpuAttentionKernel:
         """A pool on the CPU stored in fp32, fp16, bf16, fp8 e4m3 or int8, head_dim 16, 32, 64, 128 or 256."""
         return pool.dtype in FORMATS and pool.device.type == "cpu" and pool.head_dim in (16, 32, 64, 128, 256)
 
+    @staticmethod
+    def plan(meta, positions: torch.Tensor, pool, num_heads: int) -> "KernelPlan":
+        """The step's plan (meta: attention.AttentionMetadata), built once and shared by every layer."""
+        return KernelPlan(meta.query_start, meta.block_tables, meta.context_lens, positions, pool.block_size,
+                          pool.num_blocks)
+
     def __call__(self, q: torch.Tensor, plan: "KernelPlan", pool, layer: int, scale: float,
                  window: int | None) -> torch.Tensor:
         """q: [T, heads, head_dim] (post-RoPE; a view with a wider token stride is fine). Returns [T, heads,

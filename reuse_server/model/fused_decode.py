@@ -135,7 +135,7 @@ class FusedDecode:
         step it does not take."""
         rows = hidden.shape[0]
         if not (1 <= rows <= MAX_ROWS and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
-                and self._backend.attention is not None and meta.query_start == list(range(rows + 1))
+                and isinstance(self._backend.attention, CpuAttentionKernel) and meta.query_start == list(range(rows + 1))
                 and (select is None or select.keeps_all_rows(rows))):
             return None
         layout = self._pool(pool)

@@ -106,9 +106,8 @@ class Attention(nn.Module):
         t = q.shape[0]
         kernel = self.backend.attention
         if kernel is not None and kernel.takes(q, layer_pool):
-            plan = layer_meta.cached(positions, "kernel_plan", lambda: cpu_attention.KernelPlan(
-                layer_meta.query_start, layer_meta.block_tables, layer_meta.context_lens, positions,
-                layer_pool.block_size, layer_pool.num_blocks))
+            plan = layer_meta.cached(positions, "kernel_plan", lambda: kernel.plan(
+                layer_meta, positions, layer_pool, self.num_heads))
             out = kernel(q, plan, layer_pool, index, self.scale, self.sliding_window)
         else:
             masks = layer_meta.sequence_masks(positions, self.sliding_window, q.dtype)
@@ -321,6 +320,14 @@ class LlamaModel(nn.Module):
         built (`native.failure()` says why)."""
         self.backend.attention = cpu_attention.load() if enable else None
         return self.backend.attention is not None
+
+    def use_triton_attention(self, splits: int | None = None, block_n: int | None = None) -> None:
+        """Attend through the paged Triton kernel (attention_triton) wherever it takes the tensors: on CUDA,
+        or on the CPU in Triton's interpreter. The fused CPU decode attends through the C++ kernel, so it
+        steps aside (use_fused_decode). splits, block_n: see TritonAttentionKernel (tests)."""
+        from .attention_triton import TritonAttentionKernel  # imports triton: only where asked for
+
+        self.backend.attention = TritonAttentionKernel(splits, block_n)
 
     def use_fused_decode(self, enable: bool | None = None) -> bool:
         """Run the layers of a decode step in one native call (fused_decode: the same kernels, the same bits)

@@ -11,7 +11,7 @@ from reuse_server.server.openmp import apply_short_spin  # torch-free
 
 apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.py
 
-from reuse_server.engine.config import ACTIVATION_DTYPES, EngineConfig  # noqa: E402
+from reuse_server.engine.config import ACTIVATION_DTYPES, ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT  # noqa: E402  (torch-free)
 
@@ -198,10 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "built with the host's compiler (native, float32; oneDNN for bfloat16 or without a "
                             "compiler), through oneDNN (onednn; ~2x faster decode than MKL on AMD CPUs), or "
                             "through torch's F.linear (torch)")
-    serve.add_argument("--cpu-attention", default=defaults.cpu_attention, choices=["native", "torch"],
-                       help="on the CPU in float32, attend through the paged attention kernel, built once with the "
-                            "host's C++ compiler and reading K/V in place (native; torch's attention where it cannot "
-                            "be built), or through torch's scaled_dot_product_attention on gathered K/V (torch)")
+    serve.add_argument("--attention-backend", default=defaults.attention_backend, choices=ATTENTION_BACKENDS,
+                       help="native: on the CPU in float32, the paged attention kernel built once with the host's "
+                            "C++ compiler, reading K/V in place (torch's attention elsewhere or where it cannot be "
+                            "built); torch: torch's scaled_dot_product_attention on gathered K/V; triton: the paged "
+                            "Triton kernel reading K/V in place (CUDA; on the CPU only in Triton's interpreter, "
+                            "TRITON_INTERPRET=1, slow, for checking); auto: native on the CPU, triton on CUDA")
+    serve.add_argument("--cpu-attention", dest="attention_backend", choices=["native", "torch"],
+                       help="the former name of --attention-backend's native and torch (default: auto)")
     serve.add_argument("--block-size", type=block_size, default=defaults.block_size,
                        help="tokens per KV cache block (a power of two, 1..512)")
     serve.add_argument("--num-gpu-blocks", type=positive_int, default=None,
@@ -384,7 +388,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
-        cpu_matmul=args.cpu_matmul, cpu_attention=args.cpu_attention, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        cpu_matmul=args.cpu_matmul, attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory, window_kv_share=args.window_kv_share or None,
         num_window_blocks=args.num_window_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

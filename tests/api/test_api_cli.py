@@ -12,7 +12,7 @@ pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--weight-dtype", "--cpu-matmul",
-         "--cpu-attention",
+         "--cpu-attention", "--attention-backend",
          "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--max-tokens",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
@@ -51,7 +51,7 @@ def test_flags_reach_engine_config():
         "--max-num-batched-tokens", "64", "--max-model-len", "128", "--max-tokens", "5", "--no-prefix-cache",
         "--hash", "sha256", "--eviction-policy", "lfu"])
     assert engine_config(args) == EngineConfig(
-        model="/m", served_model_name=["x", "claude-sonnet-4-5"], max_tokens=5, device="cuda:1", dtype="bfloat16", cpu_matmul="torch", cpu_attention="torch",
+        model="/m", served_model_name=["x", "claude-sonnet-4-5"], max_tokens=5, device="cuda:1", dtype="bfloat16", cpu_matmul="torch", attention_backend="torch",
         block_size=32,
         num_gpu_blocks=100,
         kv_cache_memory=512 << 20, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128,

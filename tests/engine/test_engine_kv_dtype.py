@@ -52,8 +52,8 @@ def test_prefix_reuse_on_a_quantized_pool_returns_the_cold_runs_text(checkpoint,
     """A prompt seen before (full blocks, a partial block copied, the previous answer's tail) gives the text a
     cold run of the same prompt gives on a pool of the same dtype."""
     rng = random.Random(11)
-    engine = make_engine(checkpoint, kv_dtype=kv_dtype, cpu_attention=attention)
-    cold = make_engine(checkpoint, kv_dtype=kv_dtype, cpu_attention=attention, enable_prefix_cache=False)
+    engine = make_engine(checkpoint, kv_dtype=kv_dtype, attention_backend=attention)
+    cold = make_engine(checkpoint, kv_dtype=kv_dtype, attention_backend=attention, enable_prefix_cache=False)
     assert engine.pool.dtype == getattr(torch, kv_layout.kv_dtype(kv_dtype).torch_name)
     assert engine.attention_kernel == (attention == "native")
     first = [rng.randrange(3, engine.vocab_size) for _ in range(30)]

