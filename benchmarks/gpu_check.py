@@ -9,7 +9,7 @@ HTTP stack, no model files): models are random weights in the shapes of Llama-3.
 - `device`: the card, torch and triton; `copy`: measured device-to-device copy speed (bytes read + written a
   second, the speed a memory-bound kernel is held to) and host-to-device from pinned and pageable memory;
 - `kernels`: `benchmarks.gpu_check_kernels.kernel_rows(device)` where it exists (each Triton kernel against
-  the torch path: max error, time, bytes read), each row that gives `bytes_read` and `ms` with its read speed
+  the torch path: max error, time, bytes read), each row that gives `kv_bytes_read` and `seconds` with its read speed
   as a share of the copy speed; else "not built";
 - per model shape, `decode`: one decode step (ModelRunner.run and Sampler.sample, as the engine runs them) at
   batch 1/8/32 and 1k/8k context over distinct random KV in the pool, with `bound_ms`, the time the step's
@@ -222,8 +222,8 @@ def kernels(device: torch.device, copy_bps: float) -> dict:
         return {"status": "kernels: not built", "why": str(exc)}
     rows = kernel_rows(device)
     for row in rows:
-        if copy_bps and row.get("bytes_read") and row.get("ms"):
-            speed = row["bytes_read"] / (row["ms"] / 1e3)
+        if copy_bps and row.get("kv_bytes_read") and row.get("seconds"):
+            speed = row["kv_bytes_read"] / row["seconds"]
             row["read_gb_s"] = round(speed / 1e9, 1)
             row["share_of_copy_speed"] = round(speed / (copy_bps / 2), 3)  # a copy reads half the bytes it moves
     return {"status": "built", "rows": rows}
