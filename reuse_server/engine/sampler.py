@@ -71,23 +71,32 @@ class Sampler:
                     adjust_logits(logits[row], p, prompt_ids, output_ids)
         if constrained:
             self._grammars.mask_(logits, states, [p.grammar for p in params])
+        asking = [row for row, p in enumerate(params) if p.logprobs is not None]
         if self._ops is not None and self._ops.takes(logits):
-            tokens = torch.tensor(self._ops.argmax(logits), dtype=torch.long)
+            greedy = self._ops.argmax(logits)  # on the host already
+            if not asking and all(p.greedy for p in params):  # a CPU decode's usual step: nothing more to do
+                if constrained:
+                    self._accept(states, params, greedy)
+                return Picked(greedy, [None] * len(greedy))
+            tokens = torch.tensor(greedy, dtype=torch.long)
         else:
             tokens = logits.argmax(dim=-1)
         for row, (state, p) in enumerate(zip(states, params)):
             if not p.greedy:
                 tokens[row] = self._sample_row(logits[row], p, self._generator(state, p, logits.device))
-        asking = [row for row, p in enumerate(params) if p.logprobs is not None]
         picked = _to_host(tokens, raw, asking, max((params[row].logprobs for row in asking), default=0))
         if constrained:
-            for state, p, token in zip(states, params, picked.tokens):
-                if p.grammar is not None:
-                    self._grammars.accept(state, token)
+            self._accept(states, params, picked.tokens)
         for row in asking:  # each row's own k of the largest asked for
             chosen, top = picked.logprobs[row]
             picked.logprobs[row] = (chosen, top[:max(0, params[row].logprobs)])
         return picked
+
+    def _accept(self, states: list[SamplerState], params: list[SamplingParams], tokens: list[int]) -> None:
+        """Advance each constrained row's grammar by its token."""
+        for state, p, token in zip(states, params, tokens):
+            if p.grammar is not None:
+                self._grammars.accept(state, token)
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
@@ -114,11 +123,17 @@ class Sampler:
 def _to_host(tokens: torch.Tensor, raw: torch.Tensor, asking: list[int], k: int) -> Picked:
     """The step's one device-to-host copy: the tokens [N] and, for the rows `asking`, the chosen token's
     log-probability and the k most likely, packed into one float64 tensor (token ids are exact in it)."""
+    if not asking:  # the ids alone: no packing
+        return Picked(tokens.tolist(), [None] * tokens.shape[0])
     parts = [tokens.to(torch.float64)]
     if asking:
-        rows = torch.tensor(asking, dtype=torch.long).to(raw.device, non_blocking=True)
-        logp = torch.log_softmax(raw[rows], dim=-1)
-        parts.append(logp.gather(1, tokens[rows][:, None]).to(torch.float64).flatten())
+        if len(asking) == raw.shape[0]:  # every row (a batch of one; requests alike): no gather
+            chosen_rows, asked = raw, tokens
+        else:
+            rows = torch.tensor(asking, dtype=torch.long).to(raw.device, non_blocking=True)
+            chosen_rows, asked = raw.index_select(0, rows), tokens.index_select(0, rows)
+        logp = torch.log_softmax(chosen_rows, dim=-1)
+        parts.append(logp.gather(1, asked[:, None]).to(torch.float64).flatten())
         if k > 0:
             values, ids = torch.topk(logp, k)
             parts += [values.to(torch.float64).flatten(), ids.to(torch.float64).flatten()]
