@@ -233,7 +233,7 @@ def timed_parts(args, engine, decode_steps, forward_s: float, tag: str) -> dict:
     timers.wrap(fused_decode.FusedDecode, "run", "fused_layers")
     timers.wrap(llama.LlamaModel, "embed", "embed")
     timers.wrap(engine.runner, "run", "forward")
-    timers.wrap(engine.sampler, "sample", "sampler")
+    timers.wrap(engine.sampler, "pick", "sampler")  # what the engine calls: sampling and its one host copy
     timers.wrap(engine.scheduler, "schedule", "scheduler")
     timers.wrap(engine.scheduler, "update", "scheduler")
     timers.wrap(IncrementalDetokenizer, "add", "detokenizer")

@@ -93,8 +93,11 @@ def moved_keys(old_positions: torch.Tensor, new_positions: torch.Tensor, inv_fre
     new_positions, in one pass, so an 8-bit pool requantizes the moved keys once for both. inv_freq: [d/2] for
     every layer or [layers, d/2], each layer's own."""
     def change(k_caches, slots: torch.Tensor) -> None:
-        rerope_layers_(k_caches, slots, old_positions, new_positions, inv_freq)
+        # The caller (the Blender) counts positions on the host; the pool hands slots on its own device, where
+        # the rotation runs: the positions go over there, once for both edits.
+        old, new = old_positions.to(slots.device), new_positions.to(slots.device)
+        rerope_layers_(k_caches, slots, old, new, inv_freq.to(slots.device))
         if shift is not None:
-            shift.apply_(k_caches, slots, new_positions, inv_freq)
+            shift.apply_(k_caches, slots, new, inv_freq)
 
     return change

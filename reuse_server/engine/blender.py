@@ -300,7 +300,8 @@ class SliceSelection:
         old_k, old_v = self.pool.read(layer, slots[cand_dev])
         dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
         if self.probe is not None:
-            dev = combine_scores(dev, self.probe[local[cand]], self.settings.query_weight)
+            # the question's attention mass is summed on the host (QuestionProbe); the deviation is the pool's
+            dev = combine_scores(dev, self.probe[local[cand]].to(dev.device), self.settings.query_weight)
         keep = self.schedule.selection_count(layer, self.num_reused)
         cand_always = None if self.always is None else self.always[local[cand]]
         chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]

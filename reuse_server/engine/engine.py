@@ -16,7 +16,6 @@ import torch
 from reuse_server.engine.builder import EngineParts
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
-from reuse_server.engine.sampler import top_logprobs
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, PromptTooLong, SamplingParams
 from reuse_server.engine.scheduler import StepOutput
 from reuse_server.engine.sequence import Sequence
@@ -211,11 +210,13 @@ class LLMEngine:
         tokens, logprobs = [], {}
         if seqs:
             picked = logits if len(rows) == logits.shape[0] else logits[rows]  # a decode step keeps them all
-            tokens = self.sampler.sample(picked, [s.sampling for s in seqs], [s.params for s in seqs],
-                                         [(s.prompt_ids, s.output_ids) for s in seqs])
-            for i, (seq, token) in enumerate(zip(seqs, tokens)):
-                if seq.params.logprobs is not None:
-                    logprobs[seq] = self._logprobs(picked[i], token, seq.params.logprobs)
+            # the step's one copy from the device: the tokens, and the logprobs asked for (sampler._to_host)
+            sampled = self.sampler.pick(picked, [s.sampling for s in seqs], [s.params for s in seqs],
+                                        [(s.prompt_ids, s.output_ids) for s in seqs])
+            tokens = sampled.tokens
+            for seq, token, lp in zip(seqs, tokens, sampled.logprobs):
+                if lp is not None:
+                    logprobs[seq] = self._logprobs(token, *lp)
         for update in self.scheduler.update(StepOutput(slices, dict(zip(seqs, tokens)))):
             seq = update.seq
             if update.prompt_done:
@@ -254,8 +255,7 @@ class LLMEngine:
         self.counters["blended_tokens"] += usage.blended_tokens
         self.counters["recomputed_tokens"] += usage.recomputed_tokens
 
-    def _logprobs(self, logits_row: torch.Tensor, token: int, k: int) -> list[TokenLogprob]:
-        chosen, top = top_logprobs(logits_row, token, k)
+    def _logprobs(self, token: int, chosen: float, top: list[tuple[int, float]]) -> list[TokenLogprob]:
         return [TokenLogprob(token, self._piece(token), chosen, [(t, self._piece(t), v) for t, v in top])]
 
     def _piece(self, token: int) -> str:

@@ -47,11 +47,11 @@ class StepRows(RowSelection):
         if layer == self.last_layer:
             current = self.active if keep is None else self.active[keep]
             wanted = torch.isin(current, self.output_rows).nonzero(as_tuple=True)[0]
-            keep = wanted if keep is None else keep[wanted]
+            if keep is not None or len(wanted) < len(current):  # a decode step keeps every row: no subset
+                keep = wanted if keep is None else keep[wanted]
         if keep is not None:
             self.active = self.active[keep]
-            keep = keep.to(q.device)
-        return keep
+        return keep  # on the host, as RowSelection.rows returns them
 
 
 class ModelRunner:
@@ -63,26 +63,38 @@ class ModelRunner:
         self.num_layers = len(model.layers)
 
     def _inputs(self, spans: list[tuple[list[int], list[int], list[int], int]]):
-        """spans: per sequence (its token ids, their positions, its block table, its context length)."""
+        """spans: per sequence (its token ids, their positions, its block table, its context length). Everything
+        the forward needs to know of the step is built here on the host, from these lists, and goes to the
+        device in one copy (AttentionMetadata keeps the host side too: planning reads nothing back)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
-        tables: list[torch.Tensor] = []
+        table_ids: list[int] = []
         context_lens: list[int] = []
         for token_ids, token_positions, table, context in spans:
             ids.extend(token_ids)
             positions.extend(token_positions)
             slots.extend(table[p // bs] * bs + p % bs for p in token_positions)
             query_start.append(len(ids))
-            tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            table_ids.extend(table)
             context_lens.append(context)
-        dev = self.device
-        meta = AttentionMetadata(query_start=query_start, block_tables=tables, context_lens=context_lens,
-                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta)
+        t = len(ids)
+        host = torch.tensor(ids + positions + slots + table_ids, dtype=torch.long)
+        dev = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+
+        def tables(flat: torch.Tensor) -> list[torch.Tensor]:
+            out, at = [], 3 * t
+            for span in spans:
+                out.append(flat[at:at + len(span[2])])
+                at += len(span[2])
+            return out
+
+        meta = AttentionMetadata(query_start=query_start, block_tables=tables(dev), context_lens=context_lens,
+                                 slot_mapping=dev[2 * t:3 * t], host_positions=host[t:2 * t],
+                                 host_block_tables=tables(host))
+        return dev[:t], dev[t:2 * t], meta
 
     @torch.inference_mode()
     def run(self, slices: list[StepSlice], want_logits: list[bool],

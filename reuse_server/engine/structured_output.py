@@ -114,19 +114,27 @@ def _byte_bias() -> torch.Tensor:
 
 
 _BYTE_BIAS = _byte_bias()
+_BYTE_BIAS_ON: dict[torch.device, torch.Tensor] = {torch.device("cpu"): _BYTE_BIAS}
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of logits[rows[i]] whose bit is 0 in bitmask[i] (int32 words, 32
     tokens each). One lookup and one add for all rows."""
-    vocab = logits.shape[1]
-    bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _BYTE_BIAS)
+    vocab, device = logits.shape[1], logits.device
+    # xgrammar fills the mask on the host; it goes to the logits' device in one copy (the table once per device)
+    bias = torch.nn.functional.embedding(bitmask.view(torch.uint8).long().to(device), _byte_bias_on(device))
     bias = bias.view(len(rows), -1)[:, :vocab]
     if rows == list(range(logits.shape[0])):
         logits.add_(bias)
     else:
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long).to(device)
         logits.index_put_((index,), logits[index] + bias)
+
+
+def _byte_bias_on(device: torch.device) -> torch.Tensor:
+    if device not in _BYTE_BIAS_ON:
+        _BYTE_BIAS_ON[device] = _BYTE_BIAS.to(device)
+    return _BYTE_BIAS_ON[device]
 
 
 def _only_canonical_token(matcher, encode: Callable[[str], list[int]], row: torch.Tensor) -> bool:

@@ -19,6 +19,11 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # per sequence: its pool block ids (LongTensor, pool device), in position order
     context_lens: list[int]  # per sequence: KV positions 0..ctx-1 to attend over (after this step's writes)
     slot_mapping: torch.Tensor  # [T] where each query token's fresh K/V is written
+    # The same step as the host knows it (CPU tensors; the very same tensors when the model runs on the CPU),
+    # so that planning a step (masks, runs of consecutive blocks) reads nothing back from the device. None:
+    # built from the device tensors when first needed (a caller that made only those).
+    host_positions: torch.Tensor | None = None  # [T] each query token's position
+    host_block_tables: list[torch.Tensor] | None = None
     _cache_positions: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     _decode_plan: tuple | None = field(default=None, repr=False, compare=False)
@@ -29,9 +34,12 @@ class AttentionMetadata:
     def num_sequences(self) -> int:
         return len(self.query_start) - 1
 
-    def subset(self, rows: torch.Tensor) -> "AttentionMetadata":
+    def subset(self, rows: torch.Tensor, device_rows: torch.Tensor | None = None) -> "AttentionMetadata":
         """The same sequences with only the query tokens at `rows` (ascending indices into this step's
-        tokens); a sequence may keep none."""
+        tokens, a CPU tensor; device_rows: the same on the device, where the caller has them already); a
+        sequence may keep none."""
+        if device_rows is None:
+            device_rows = rows.to(self.slot_mapping.device)
         picked = rows.tolist()
         starts, i = [0], 0
         for end in self.query_start[1:]:
@@ -40,17 +48,23 @@ class AttentionMetadata:
             starts.append(i)
         if i != len(picked):
             raise ValueError(f"rows {picked} are not ascending indices below {self.query_start[-1]}")
-        return AttentionMetadata(starts, self.block_tables, self.context_lens, self.slot_mapping[rows])
+        host_positions = None if self.host_positions is None else self.host_positions[rows]
+        return AttentionMetadata(starts, self.block_tables, self.context_lens, self.slot_mapping[device_rows],
+                                 host_positions=host_positions, host_block_tables=self.host_block_tables)
 
     def remapped(self, table: torch.Tensor, block_size: int) -> "AttentionMetadata":
         """The same step in another pool's block ids (a hybrid pool's window layers: table[id] is the id's
         block there), built once and shared by every layer of that pool."""
         if self._remapped is None:
-            table = table.to(self.slot_mapping.device)
+            host_tables = None
+            if self.host_block_tables is not None and table.device.type == "cpu":
+                host_tables = [table[t] for t in self.host_block_tables]
+            on_device = table.to(self.slot_mapping.device)
             slots = self.slot_mapping
             self._remapped = AttentionMetadata(
-                self.query_start, [table[t] for t in self.block_tables], self.context_lens,
-                table[torch.div(slots, block_size, rounding_mode="floor")] * block_size + slots % block_size)
+                self.query_start, [on_device[t] for t in self.block_tables], self.context_lens,
+                on_device[torch.div(slots, block_size, rounding_mode="floor")] * block_size + slots % block_size,
+                host_positions=self.host_positions, host_block_tables=host_tables)
         return self._remapped
 
     def cached(self, positions: torch.Tensor, key, build):
@@ -66,7 +80,8 @@ class AttentionMetadata:
         """(first block id, number of blocks) of the consecutive block ids that start sequence s's table,
         worked out once per step."""
         if self._leading_runs is None:
-            self._leading_runs = [pool.leading_run(t, n) for t, n in zip(self.block_tables, self.context_lens)]
+            tables = self.block_tables if self.host_block_tables is None else self.host_block_tables
+            self._leading_runs = [pool.leading_run(t, n) for t, n in zip(tables, self.context_lens)]
         return self._leading_runs[s]
 
     def consecutive_start(self, pool, s: int) -> int | None:
@@ -139,7 +154,7 @@ def _build_masks(
         raise ValueError(f"query_start {meta.query_start} does not cover the {positions.shape[0]} query tokens")
     if meta.slot_mapping.shape[0] != positions.shape[0]:
         raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} slots for {positions.shape[0]} query tokens")
-    host_positions = positions.cpu()
+    host_positions = positions.cpu() if meta.host_positions is None else meta.host_positions
     out = []
     for s in range(meta.num_sequences):
         lo, hi = meta.query_start[s], meta.query_start[s + 1]

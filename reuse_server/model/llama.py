@@ -101,7 +101,8 @@ class Attention(nn.Module):
         layer_pool, index, layer_meta = pool.route(layer_idx, meta)
         layer_pool.write(index, layer_meta.slot_mapping, k, v)  # before attending: the tokens see their own fresh K/V
         if rows is not None:
-            q, positions, meta = q[rows], positions[rows], meta.subset(rows)
+            host_rows, rows = rows, rows.to(q.device, non_blocking=True)
+            q, positions, meta = q[rows], positions[rows], meta.subset(host_rows, rows)
             layer_pool, index, layer_meta = pool.route(layer_idx, meta)
         t = q.shape[0]
         kernel = self.backend.attention
@@ -226,7 +227,8 @@ class RowSelection:
              meta: AttentionMetadata) -> torch.Tensor | None:
         """Called after the layer projected and rotated the current tokens' q [T, heads, d], k and v [T,
         kv_heads, d], before it writes k/v to the pool (whose slots, meta.slot_mapping, still hold the old
-        K/V). Returns ascending indices into the T tokens, or None to keep them all."""
+        K/V). Returns ascending indices into the T tokens, on the host (a CPU tensor: the layer plans the
+        rows' attention from them there, and moves them to the device once), or None to keep them all."""
         return None
 
 
