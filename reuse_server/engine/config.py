@@ -11,14 +11,15 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 CPU_MATMULS = ("native", "onednn", "torch")
 # --attention-backend: native, the C++ paged kernel (model/cpu_attention.cpp: fp32 on the CPU, torch's SDPA for
 # the rest); torch, SDPA over gathered K/V; triton, the paged Triton kernel (model/attention_triton.py: CUDA, or
-# the CPU in Triton's interpreter); auto, native on the CPU and triton on CUDA.
+# the CPU in Triton's interpreter); auto, native on the CPU, triton on CUDA, torch elsewhere.
 ATTENTION_BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
     """The backend --attention-backend names on `device` ('auto' resolved)."""
     if name == "auto":
-        return "native" if device.split(":")[0] == "cpu" else "triton"
+        # any other device (a test's fake one, mps) gets the torch path, which runs wherever torch does
+        return {"cpu": "native", "cuda": "triton"}.get(device.split(":")[0], "torch")
     return name
 ACTIVATION_DTYPES = ("fp32", "int8")  # --activation-dtype (model/quant_linear.py)
 
