@@ -523,25 +523,40 @@ class BlockManager:
             return
         tenant = seq.options.tenant or ""
         for bp in seq.options.breakpoints:
-            blocks = min(bp.offset, len(seq.prompt_ids)) // self.block_size
+            end = min(bp.offset, len(seq.prompt_ids))
+            blocks = end // self.block_size
             if not blocks:
                 continue
             match = self.cache.match(seq.prompt_ids[:blocks * self.block_size], seq.namespace, record_stats=False)
             if not match.block_ids:
                 continue
+            held = self._breakpoint_blocks(seq, end, match)
             pin = self.pins.get(match.node)
-            if pin is not None:
+            if pin is not None and (pin.held is held.node or held.node is match.node):
                 pin.renew(now, bp.ttl)
                 continue
+            ttl = bp.ttl
+            if pin is not None:  # it stops before the block this breakpoint falls in: pinned again with it
+                ttl = max(ttl, pin.ttl)
+                self._unpin(pin)
             window = []
             if self.window is not None:  # the window before the reuse point, which a hit needs whole
-                window = [b for b in match.block_ids[self.window.first_needed(match.num_tokens):] if self.window.has(b)]
+                window = [b for b in held.block_ids[self.window.first_needed(match.num_tokens):] if self.window.has(b)]
                 self.window.pin(window)
-            self.cache.pin(match.node)
-            self.pins.add(match.node, tenant, match.num_tokens, bp.ttl, now, window)
+            self.cache.pin(held.node)
+            self.pins.add(match.node, held.node, tenant, held.num_tokens, ttl, now, window)
         while self.pins.blocks_of(tenant) > self.pin_budget:
             self._unpin(self.pins.oldest(tenant))
             self.pins_given_way += 1
+
+    def _breakpoint_blocks(self, seq: Sequence, end: int, whole: MatchResult) -> MatchResult:
+        """The cached blocks a breakpoint at `end` pins: `whole` (those before it), and the block it falls in
+        when the tree holds it (the prompt goes on past that block), so that a hit reads to the breakpoint."""
+        if end % self.block_size == 0:
+            return whole
+        upto = (end // self.block_size + 1) * self.block_size
+        deeper = self.cache.match(seq.prompt_ids[:upto], seq.namespace, record_stats=False)
+        return deeper if deeper.num_tokens == upto else whole
 
     def renew_pins(self, seq: Sequence, now: float) -> None:
         """seq was admitted reading its matched prefix: the pins inside it live on from now."""
@@ -568,7 +583,7 @@ class BlockManager:
         self.pins.remove(pin)
         if pin.window_blocks:
             self.window.unpin(pin.window_blocks)
-        self.cache.unpin(pin.node)
+        self.cache.unpin(pin.held)
 
     def stored_prompt_tokens(self, seq: Sequence, cached_tokens: int) -> int:
         """OpenAI's cache writes: the prompt tokens seq computed into whole blocks that the cache now keeps."""

@@ -1,11 +1,14 @@
 """Prompt-cache pins: prefixes a client marked as breakpoints (Anthropic's `cache_control`), kept in the device
 pool for their time to live.
 
-A pin holds the radix node that ends at the last whole block before a breakpoint through `RadixCache.pin` (a
-lock no running request holds), so the least-recently-used eviction never takes that prefix; when the pin
-expires or gives way it is unpinned and the blocks are ordinary cache again (evicted in LRU order, demoted to
-host RAM like any block). Pins are keyed by that node: a node keeps its end when the tree splits it (the
-split's upper part is new, the pinned node keeps the lower part), so a breakpoint sent again finds its pin.
+A pin holds the prefix up to a breakpoint through `RadixCache.pin` (a lock no running request holds), so the
+least-recently-used eviction never takes it: the whole blocks before the breakpoint and, where the breakpoint
+falls inside a block, that block too (the tree keeps whole blocks only; a hit reads the prefix to the token by
+copying the block's leading tokens, BlockManager.match, as Anthropic counts a hit up to the breakpoint). When
+the pin expires or gives way it is unpinned and the blocks are ordinary cache again (evicted in LRU order,
+demoted to host RAM like any block). Pins are keyed by the node that ends at the last whole block before the
+breakpoint, which a hit's match ends at or passes: a node keeps its end when the tree splits it (the split's
+upper part is new, the pinned node keeps the lower part), so a breakpoint sent again finds its pin.
 
 Time is the engine's clock, passed in (`now`): a pin expires when the scheduler asks (`expire`) at the start
 of a step, never from a thread of its own. The table is written by the block manager alone, which alone
@@ -23,9 +26,10 @@ from reuse_server.engine.sampling_params import CacheBreakpoint
 
 @dataclass(eq=False)
 class Pin:
-    node: TreeNode  # the pinned prefix ends with this node's last block
+    node: TreeNode  # the whole blocks before the breakpoint end with this node's last block: the pin's key
+    held: TreeNode  # what the cache keeps pinned: `node`, or its one-block child the breakpoint falls in
     tenant: str  # whose budget it counts against ("" without API keys)
-    num_tokens: int  # whole blocks' tokens of the prefix
+    num_tokens: int  # tokens of the blocks held
     ttl: float  # seconds; the longest any breakpoint here asked for
     expires_at: float
     used_at: float  # created or last renewed: the least recently used pin of a tenant gives way first
@@ -56,9 +60,9 @@ class PinTable:
     def get(self, node: TreeNode) -> Pin | None:
         return self._pins.get(node)
 
-    def add(self, node: TreeNode, tenant: str, num_tokens: int, ttl: float, now: float,
+    def add(self, node: TreeNode, held: TreeNode, tenant: str, num_tokens: int, ttl: float, now: float,
             window_blocks: list[int]) -> Pin:
-        pin = Pin(node, tenant, num_tokens, ttl, now + ttl, now, next(self._order), window_blocks)
+        pin = Pin(node, held, tenant, num_tokens, ttl, now + ttl, now, next(self._order), window_blocks)
         self._pins[node] = pin
         return pin
 
@@ -85,14 +89,14 @@ class PinTable:
 
     def blocks_of(self, tenant: str) -> int:
         """Blocks the tenant's pins hold (a block shared by two of its pins counted once)."""
-        return _blocks_under(p.node for p in self._pins.values() if p.tenant == tenant)
+        return _blocks_under(p.held for p in self._pins.values() if p.tenant == tenant)
 
     def stats(self, now: float, block_size: int) -> dict:
         """Per tenant: pins, blocks and tokens pinned, and the soonest and latest expiry (seconds from now)."""
         out: dict[str, dict] = {}
         for tenant in sorted({p.tenant for p in self._pins.values()}):
             pins = [p for p in self._pins.values() if p.tenant == tenant]
-            blocks = _blocks_under(p.node for p in pins)
+            blocks = _blocks_under(p.held for p in pins)
             out[tenant or "default"] = {
                 "pins": len(pins), "pinned_blocks": blocks, "pinned_tokens": blocks * block_size,
                 "next_expiry_s": round(min(p.expires_at for p in pins) - now, 3),

@@ -7,17 +7,16 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from coding_agents import REPO, AgentRun, ClaudeCode, CodexCLI
+from coding_agents import (AGENT_TIMEOUT, ANSWER_CAP, CLAUDE_TASKS, CODEX_TASKS, REPO, AgentRun, ClaudeCode,
+                           CodexCLI)
 from loadgen.recording_proxy import Exchange, recording_proxy
 from reuse_server.server.launcher import ServerStartError, served
 
-# What a base model may write before it stops is unbounded, and Codex sends no output limit: the server's
-# --max-tokens keeps a turn to about its prefill's time.
-ANSWER_CAP = 64
-AGENT_TIMEOUT = 900  # seconds for one CLI invocation: a 20k-token prefill takes ~23 s on 2 idle cores
-
-CODEX_TASKS = ("Reply with the word hello.", "Now reply with the word goodbye.")
-CLAUDE_TASKS = ("Reply with the word hello.", "Now reply with the word goodbye.")
+# A small KV pool (40,960 tokens), so that flooding it past every unpinned block is cheap
+# (test_claude_code_prompt_cache), yet one agent turn (Claude Code's ~18k tokens, a 32k context) fits; one
+# tenant's pins may hold half of it: Claude Code's instructions, tools and question up to its breakpoints.
+POOL_BLOCKS = 2560
+PINNED_SHARE = 0.5
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +24,8 @@ def gemma_server(tmp_path_factory) -> tuple[str, str, int]:
     """(base URL, served model id, its context length) of `reuse-server serve --model gemma3-270m` (32k context) in a subprocess."""
     log = tmp_path_factory.mktemp("gemma-server") / "server.log"
     try:
-        with served(["--model", "gemma3-270m", "--max-tokens", str(ANSWER_CAP)], log, cwd=REPO) as (url, _):
+        with served(["--model", "gemma3-270m", "--max-tokens", str(ANSWER_CAP), "--num-gpu-blocks", str(POOL_BLOCKS),
+                     "--max-pinned-share", str(PINNED_SHARE)], log, cwd=REPO) as (url, _):
             (model,) = httpx.get(url + "/v1/models").json()["data"]
             yield url, model["id"], model["max_model_len"]
     except ServerStartError as exc:

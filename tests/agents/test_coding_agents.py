@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from coding_agents import AgentRun, ClaudeResult, codex_events
+from coding_agents import AgentRun, ClaudeResult, claude_main_requests, codex_events
 from json_mutations import mutate
 from loadgen.http_recorder import sse_payloads
 from loadgen.recording_proxy import Exchange
@@ -50,21 +50,16 @@ def test_codex_exec_then_resume_reuses_the_first_turn(codex_session):
         f"the resumed turn's first request reused {cached} of the first turn's {prompt} prompt tokens")
 
 
-def _main_requests(run: AgentRun) -> list[Exchange]:
-    """Claude Code's agent-loop requests: the ones offering its tools (side queries, such as a title, do not)."""
-    return [e for e in run.generations() if "/messages/count_tokens" not in e.path and (e.request_json or {}).get("tools")]
-
-
 def test_claude_code_print_then_continue_reuses_the_first_turn(claude_session):
     for run in (claude_session.first, claude_session.second):
         result = ClaudeResult.of(run)
         assert result.api_error is None, f"API error: {result.api_error}\n{run.describe()}"
         # exit 1 only where the answer reached CLAUDE_CODE_MAX_OUTPUT_TOKENS, which Claude Code reports as an error
         assert run.returncode == 0 or result.hit_output_cap, run.describe()
-        assert _main_requests(run), f"claude sent no agent request\n{run.describe()}"
+        assert claude_main_requests(run), f"claude sent no agent request\n{run.describe()}"
         assert all(e.status == 200 for e in run.generations()), run.describe()
-    first = _main_requests(claude_session.first)[0]
-    continued = _main_requests(claude_session.second)[0]
+    first = claude_main_requests(claude_session.first)[0]
+    continued = claude_main_requests(claude_session.second)[0]
     prompt = _prompt_tokens(first, claude_session.first)
     cached = _cached_tokens(continued, claude_session.second)
     assert cached >= REUSED_SHARE * prompt, (

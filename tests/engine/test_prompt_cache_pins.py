@@ -85,6 +85,37 @@ def test_a_pinned_prefix_survives_a_flood_is_renewed_by_a_hit_and_is_ordinary_ca
     assert s.blocks.cache.stats().in_use_blocks == 0
 
 
+def test_a_breakpoint_inside_a_block_is_read_to_the_token_after_a_flood():
+    """Anthropic reads a hit up to the breakpoint; the pool keeps whole blocks, so the block the breakpoint
+    falls in is pinned too and a hit copies its leading tokens (Claude Code's breakpoints fall anywhere)."""
+    s = make_scheduler(num_blocks=24)
+    system = tokens(18, 50)  # 4 blocks and 2 tokens, marked at its end
+    first = run(s, request("first", system + tokens(6, 51), CacheBreakpoint(18, FIVE_MINUTES)), now=0.0)
+    assert first.usage.breakpoint_write_tokens == {300: 18}
+    assert s.blocks.cache.stats().pinned_blocks == 5
+    for i in range(12):
+        run(s, request(f"flood{i}", tokens(40, 150 + i)), now=10.0 + i)
+    assert s.blocks.cache.stats().evicted_blocks > 20 and s.blocks.cache.stats().pinned_blocks == 5
+    hit = run(s, request("hit", system + tokens(5, 52)), now=200.0)
+    assert hit.usage.cached_tokens == 18, "the pinned prefix was not read up to its breakpoint"
+    assert [p.expires_at for p in s.blocks.pins] == [500.0], "a hit up to the breakpoint did not renew its pin"
+    s.schedule(500.0)
+    assert s.blocks.cache.stats().pinned_blocks == 0 and len(s.blocks.pins) == 0
+
+
+def test_a_breakpoint_later_in_the_block_a_pin_stops_before_holds_that_block_too():
+    s = make_scheduler(num_blocks=24)
+    system = tokens(18, 60)
+    run(s, request("aligned", system + [1], CacheBreakpoint(16, FIVE_MINUTES)), now=0.0)
+    assert s.blocks.cache.stats().pinned_blocks == 4
+    run(s, request("inside", system + [2, 3, 4], CacheBreakpoint(18, ONE_HOUR)), now=1.0)  # the block is full
+    assert s.blocks.cache.stats().pinned_blocks == 5 and len(s.blocks.pins) == 1
+    assert [(p.ttl, p.expires_at) for p in s.blocks.pins] == [(ONE_HOUR, 1.0 + ONE_HOUR)]
+    for i in range(12):
+        run(s, request(f"flood{i}", tokens(40, 160 + i)), now=10.0 + i)
+    assert run(s, request("hit", system + [3]), now=20.0).usage.cached_tokens == 18
+
+
 def test_a_tenant_past_its_share_loses_its_least_recently_used_pin_and_others_keep_theirs():
     s = make_scheduler(num_blocks=32, share=0.25)  # 8 blocks a tenant
     a, b, c = tokens(16, 10), tokens(16, 11), tokens(16, 12)
