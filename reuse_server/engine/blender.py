@@ -1,7 +1,7 @@
 """Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
 only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
-- admit: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the chunk
-  index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
+- admit: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
+  offset where a filed chunk begins (not only where the client marked one: `_lookup`); if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
   (re-RoPE from positions 0..n-1 to where the chunk now sits, each layer with its own RoPE: Gemma 3's sliding
   layers with base 10k, its global ones with 1M; chunks cached alone that other text now precedes also get the
   model's key shift, blend/key_shift.py) and open a BlendJob. A sliding layer's moved keys are rotated like
@@ -12,8 +12,8 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
   the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
   reused KV comes first (QuestionProbe);
-- finish: the job's counts go to the request's usage, and the prompt's reusable chunks that the index
-  lacks are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
+- finish: the job's counts go to the request's usage, and the prompt's chunks (its spans cut by their content,
+  blend/content_cuts.py) that the index lacks and that hold no blended KV are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
   namespace of the radix cache.
 """
 from __future__ import annotations
