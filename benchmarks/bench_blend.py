@@ -33,7 +33,7 @@ from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 # the shared data folder: in the checkout, or beside it (a git worktree's checkout has none of its own)
-DOCS = next((root / "shared" / "data" / "docs" / "lee_background.cor" for root in Path(__file__).resolve().parents[1:3]
+DOCS = next((root / "shared" / "data" / "docs" / "lee_background.cor" for root in Path(__file__).resolve().parents[1:4]
              if (root / "shared" / "data" / "docs" / "lee_background.cor").exists()),
             Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor")
 QUESTION = "What is the access code for the Orion project?"
