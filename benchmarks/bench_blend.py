@@ -10,6 +10,7 @@ recompute ratios, report answer accuracy, the KL divergence of the first answer 
 prefill, greedy agreement of the first tokens, and time to first token (the prefill step).
 
     .venv/bin/python -m benchmarks.bench_blend [--cases 100] [--ratios 0,0.05,0.15,0.3] [--out FILE.json]
+    .venv/bin/python -m benchmarks.bench_blend --glued [--fill traffic]   # passages glued into one string
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ from reuse_server.engine.builder import build_engine
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
-DOCS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor"
+# the shared data folder: in the checkout, or beside it (a git worktree's checkout has none of its own)
+DOCS = next((root / "shared" / "data" / "docs" / "lee_background.cor" for root in Path(__file__).resolve().parents[1:4]
+             if (root / "shared" / "data" / "docs" / "lee_background.cor").exists()),
+            Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor")
 QUESTION = "What is the access code for the Orion project?"
 ANSWER_PREFIX = "Answer:"
 FIRST_TOKENS = 5
@@ -84,9 +88,14 @@ def make_cases(n: int, k: int, seed: int, max_words: int) -> list[Case]:
     return cases
 
 
-def prompt_for(tokenizer, passages: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
-    parts = [{"type": "text", "text": p} for p in passages] + [{"type": "text", "text": QUESTION}]
-    chunks = render_chat_chunks(tokenizer, [{"role": "user", "content": parts}])
+def prompt_for(tokenizer, passages: list[str], glued: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    """The chat prompt: passages and question as text parts, or (glued) joined by blank lines into one
+    string, as a RAG pipeline that marks nothing sends them."""
+    if glued:
+        content = "\n\n".join(passages + [QUESTION])
+    else:
+        content = [{"type": "text", "text": p} for p in passages] + [{"type": "text", "text": QUESTION}]
+    chunks = render_chat_chunks(tokenizer, [{"role": "user", "content": content}])
     ids, spans = [], []
     for c in chunks:
         if c.reusable:
@@ -155,6 +164,10 @@ def main() -> None:
                     help="blended requests also use the exact prefix cache, as served (the template opening, and "
                          "the passage precomputed right after it that comes first, are then exact hits); full "
                          "prefill never does. --no-prefix-cache measures blending alone")
+    ap.add_argument("--glued", action="store_true",
+                    help="send each prompt's passages and question as ONE string, blank lines between them, not as "
+                         "text parts: blending must find the passages by their content (--blend-chunk-tokens)")
+    ap.add_argument("--chunk-tokens", type=int, default=64, help="the server's --blend-chunk-tokens (0: off)")
     ap.add_argument("--weight-dtype", default="auto", help="how the engine holds its weights (--weight-dtype)")
     ap.add_argument("--model", default=None, help="the server's --model (default: the bundled SmolLM2)")
     ap.add_argument("--out", default=None)
@@ -167,7 +180,7 @@ def main() -> None:
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),
         blend_score=args.score, blend_first_tokens=args.first_tokens, blend_min_tokens=16,
-        blend_query_weight=args.query_weight, blend_key_shift=args.key_shift))
+        blend_query_weight=args.query_weight, blend_key_shift=args.key_shift, blend_chunk_tokens=args.chunk_tokens))
     engine.sampler = sampler = CapturingSampler()
     tok = engine.tokenizer
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -182,7 +195,7 @@ def main() -> None:
     lead = template_lead(tok)
     for i, case in enumerate(cases):
         if args.fill == "traffic":
-            first_ids, first_spans = prompt_for(tok, case.passages)
+            first_ids, first_spans = prompt_for(tok, case.passages, args.glued)
             engine.add_request(f"pre{i}", first_ids, SamplingParams(max_tokens=1),
                                CacheOptions(chunk_spans=first_spans, blend=True, prefix_cache=False))
         # precompute through the chunk index
@@ -192,7 +205,7 @@ def main() -> None:
             engine.step()
         order = case.passages[:]
         random.Random(args.seed * 1000 + i).shuffle(order)
-        ids, spans = prompt_for(tok, order)
+        ids, spans = prompt_for(tok, order, args.glued)
         ref_ids = None
         for name, blend, ratio, prefix_cache in configs:
             rid = f"{name}-{i}"
@@ -228,7 +241,8 @@ def main() -> None:
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
                           first_tokens=args.first_tokens, query_weight=args.query_weight, key_shift=args.key_shift,
                           precompute_after_template=args.precompute_after_template, fill=args.fill,
-                          prefix_cache=args.prefix_cache, model=args.model or "smollm2")))
+                          prefix_cache=args.prefix_cache, model=args.model or "smollm2", glued=args.glued,
+                          chunk_tokens=args.chunk_tokens)))
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

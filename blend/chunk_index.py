@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from radix import MatchResult, RadixCache
+from radix import TOKEN_DTYPE, MatchResult, RadixCache, as_token_array
 
 
 @dataclass
@@ -76,6 +76,25 @@ class ChunkIndex:
             if match.num_tokens and (best is None or match.num_tokens > best.match.num_tokens):
                 best = ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match, form)
         return best
+
+    def starts(self, tokens: list[int], namespace: bytes = b"") -> list[int]:
+        """Offsets of `tokens` where a chunk of either form filed in the tree begins (its first block equals
+        the block of tokens there), in order. One hash and one dict lookup per offset and form, so a prompt
+        can be searched at every offset for chunks it never marked; what to reuse there is then `lookup`'s
+        answer. Slower tiers are not searched (they are asked only at the offsets `lookup` is called for)."""
+        bs, hasher = self.block_size, self.cache.hasher
+        data, width = as_token_array(tokens).tobytes(), TOKEN_DTYPE.itemsize
+        children = self.cache.root.children
+        forms = [(hasher.root(ns), ns) for ns in (self.chunk_namespace(namespace, f) for f in (True, False))]
+        found = []
+        for pos in range(len(tokens) - bs + 1):
+            block = data[pos * width:(pos + bs) * width]
+            for parent, ns in forms:
+                bucket = children.get(hasher.digest(parent + block))
+                if bucket and any(child.namespace == ns for child in bucket):
+                    found.append(pos)
+                    break
+        return found
 
     def hold(self, hit: ChunkHit) -> None:
         """Keep a hit's blocks from being evicted (while its KV is copied out) until `release`."""

@@ -1,7 +1,7 @@
 """Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
 only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
-- admit: after the exact prefix match, look every reusable chunk of the rest of the prompt up in the chunk
-  index; if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
+- admit: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
+  offset where a filed chunk begins (not only where the client marked one: `_lookup`); if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
   (re-RoPE from positions 0..n-1 to where the chunk now sits, each layer with its own RoPE: Gemma 3's sliding
   layers with base 10k, its global ones with 1M; chunks cached alone that other text now precedes also get the
   model's key shift, blend/key_shift.py) and open a BlendJob. A sliding layer's moved keys are rotated like
@@ -12,8 +12,8 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
   the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
   reused KV comes first (QuestionProbe);
-- finish: the job's counts go to the request's usage, and the prompt's reusable chunks that the index
-  lacks are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
+- finish: the job's counts go to the request's usage, and the prompt's chunks (its spans cut by their content,
+  blend/content_cuts.py) that the index lacks and that hold no blended KV are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
   namespace of the radix cache.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from blend import GradualSchedule, first_tokens_mask, kv_deviation
 from blend.chunk_index import ChunkHit, ChunkIndex
+from blend.content_cuts import SpanCuts, WholeSpans
 from blend.key_shift import KeyShift, moved_keys
 from blend.selection import combine_scores, query_attention, select_top_k
 
@@ -74,7 +75,6 @@ class BlendJob:
     """One blended prefill: which prompt tokens came from the chunk index, and what selection made of them."""
 
     reused: torch.Tensor  # bool [prompt tokens]: KV copied in from the chunk index
-    chunk_starts: set[int]  # prompt positions of the chunks reused (they are not registered again)
     ratio: float
     always: torch.Tensor | None  # bool [prompt tokens]: always recomputed (first tokens of each chunk)
     probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays (query weighting)
@@ -86,8 +86,9 @@ class BlendJob:
 class Blender:
     def __init__(self, pool: KVPool, blocks: BlockManager, index: ChunkIndex, settings: BlendSettings,
                  num_layers: int, inv_freq: torch.Tensor, attention_scale: float,
-                 key_shift: KeyShift | None = None) -> None:
-        """inv_freq: [layers, head_dim/2] (`layer_inv_freq(model)`), or [head_dim/2] when every layer shares one."""
+                 key_shift: KeyShift | None = None, cuts: SpanCuts | None = None) -> None:
+        """inv_freq: [layers, head_dim/2] (`layer_inv_freq(model)`), or [head_dim/2] when every layer shares one.
+        cuts: how client spans are cut into the chunks registered (default: not at all)."""
         self.pool = pool
         self.blocks = blocks
         self.index = index
@@ -96,12 +97,19 @@ class Blender:
         self.inv_freq = inv_freq
         self.attention_scale = attention_scale
         self.key_shift = key_shift
+        self.cuts = cuts if cuts is not None else WholeSpans()
         self.block_size = pool.block_size
         settings.schedule(settings.recompute_ratio).validate_for(num_layers)
         self.registered_chunks = 0
 
-    def _spans_ending_after(self, seq: Sequence, pos: int) -> list[tuple[int, int]]:
-        return [(s, n) for s, n in seq.options.chunk_spans if s + n > pos and n >= self.index.min_tokens]
+    def _client_spans(self, seq: Sequence) -> list[tuple[int, int]]:
+        """The spans the client marked (messages, text parts, ...) long enough to be chunks."""
+        return [(s, n) for s, n in seq.options.chunk_spans if n >= self.index.min_tokens]
+
+    def _chunks(self, seq: Sequence) -> list[tuple[int, int]]:
+        """The chunks seq registers: its client spans cut by their content (blend/content_cuts.py), so text
+        glued into one message is filed in pieces that the same text elsewhere cuts into again."""
+        return [(s, n) for s, n in self.cuts.cut(seq.prompt_ids, self._client_spans(seq)) if n >= self.index.min_tokens]
 
     def ratio_for(self, seq: Sequence) -> float:
         ratio = seq.options.recompute_ratio
@@ -148,18 +156,37 @@ class Blender:
         if self.settings.first_tokens:
             always = first_tokens_mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
                                        self.settings.first_tokens, total=n)
-        seq.blend = BlendJob(reused, {r.start for r in reuses}, self.ratio_for(seq), always)
+        seq.blend = BlendJob(reused, self.ratio_for(seq), always)
         return True
 
     def _lookup(self, seq: Sequence) -> list[Reuse]:
-        """Chunks of seq after its prefix hit that the index holds, held until released."""
+        """Cached chunks in seq's spans after its prefix hit, held until released. A chunk is looked for
+        wherever one may begin: at each span's start, at each of its content-defined cuts, and at every
+        offset where a chunk filed in the tree begins with the block of tokens there (ChunkIndex.starts), so
+        a passage filed alone, as a text part or as a piece of another prompt is found wherever it now
+        stands, with no separator. Where one is found, the longest cached chunk there is taken if it covers
+        at least --blend-min-tokens, and the search goes on after it."""
+        prompt, computed, min_tokens = seq.prompt_ids, seq.num_computed, self.index.min_tokens
+        spans = [(s, n) for s, n in self._client_spans(seq) if s + n > computed]
+        if not spans:
+            return []
+        in_tree = self.index.starts(prompt, seq.namespace)
+        cut_starts = [s for s, _ in self.cuts.cut(prompt, spans)]
         reuses = []
-        for start, n in self._spans_ending_after(seq, seq.num_computed):
-            hit = self.index.lookup(seq.prompt_ids[start:start + n], seq.namespace)
-            skip = max(0, seq.num_computed - start)  # a chunk may begin inside the exact prefix hit
-            if hit is not None and hit.num_tokens > skip and self._whole(hit.block_ids):
-                self.index.hold(hit)
-                reuses.append(Reuse(start, hit, skip))
+        for start, n in spans:
+            end = start + n
+            candidates = sorted({p for p in in_tree if start <= p < end} | {p for p in cut_starts if start <= p < end})
+            covered = start
+            for pos in candidates:
+                if pos < covered or end - pos < min_tokens:
+                    continue
+                hit = self.index.lookup(prompt[pos:end], seq.namespace)
+                skip = max(0, computed - pos)  # a chunk may begin inside the exact prefix hit
+                if (hit is not None and hit.num_tokens >= min_tokens and hit.num_tokens > skip
+                        and self._whole(hit.block_ids)):
+                    self.index.hold(hit)
+                    reuses.append(Reuse(pos, hit, skip))
+                    covered = pos + hit.num_tokens
         return reuses
 
     def _whole(self, block_ids: list[int]) -> bool:
@@ -234,13 +261,14 @@ class Blender:
         job, seq.blend = seq.blend, None
         return job
 
-    def register(self, seq: Sequence, skip: set[int] = frozenset()) -> tuple[int, int]:
-        """File seq's reusable chunks whose KV is exact and not yet indexed (called once its prompt is
-        computed). Returns (tokens newly stored, tokens of chunks that were already indexed)."""
+    def register(self, seq: Sequence, reused: torch.Tensor | None = None) -> tuple[int, int]:
+        """File seq's chunks whose KV is exact and not yet indexed (called once its prompt is computed); a
+        chunk with any token in `reused` (KV copied in by its blend job) is not. Returns (tokens newly
+        stored, tokens of chunks that were already indexed)."""
         stored = present = 0
-        for start, n in self._spans_ending_after(seq, 0):
+        for start, n in self._chunks(seq):
             alone = self._is_first_chunk(seq, start)
-            if start in skip or start + n > seq.num_computed:
+            if start + n > seq.num_computed or (reused is not None and bool(reused[start:start + n].any())):
                 continue
             tokens = seq.prompt_ids[start:start + n]
             # an alone copy serves every lookup (it is preferred); an in-context one only where none exists

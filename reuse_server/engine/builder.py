@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from blend.chunk_index import ChunkIndex
+from blend.content_cuts import ContentDefinedCuts, WholeSpans
 from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
@@ -136,8 +137,10 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         raise ValueError("the key shift is calibrated per model folder: a model built in the process needs "
                          "blend_key_shift=False")
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
+    cuts = (ContentDefinedCuts.around(config.blend_chunk_tokens, config.blend_min_tokens)
+            if config.blend_chunk_tokens else WholeSpans())
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,
-                      key_shift)
+                      key_shift, cuts)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     eos_ids = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     # the longest sequence the engine holds: the context, or the whole pool if smaller

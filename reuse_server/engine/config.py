@@ -101,6 +101,9 @@ class EngineConfig:
     blend_query_weight: float = 0.0
     blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
+    # Client spans are cut into chunks of about this many tokens where their content says (a rolling hash;
+    # blend/content_cuts.py), so text glued into one message is reused in pieces; 0: only the client's spans.
+    blend_chunk_tokens: int = 64
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string
 
     def validate(self) -> None:
@@ -138,6 +141,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.blend_chunk_tokens < 0:
+            problems.append(f"blend_chunk_tokens must be 0 (off) or more, got {self.blend_chunk_tokens}")
         if not 0.0 <= self.max_pinned_share <= 1.0:
             problems.append(f"max_pinned_share must be in [0, 1], got {self.max_pinned_share}")
         if self.window_kv_share is not None and not 0 < self.window_kv_share <= 1:

@@ -252,8 +252,8 @@ class Scheduler:
             usage.blended_tokens, usage.recomputed_tokens = job.blended, job.recomputed
             usage.cached_tokens = (usage.cached_tokens or 0) + job.blended
         if self.blender is not None and (not seq.generates or self.blends(seq)):
-            skip = job.chunk_starts if job is not None else set()
-            usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, skip=skip)
+            reused = job.reused if job is not None else None  # blended KV is approximate: not filed as chunks
+            usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, reused)
         cached = usage.cached_tokens or 0
         usage.cache_write_tokens = self.blocks.stored_prompt_tokens(seq, cached)
         if seq.options.breakpoints and self.blocks.enable_prefix_cache and seq.uses_prefix_cache:

@@ -314,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "--no-blend-key-shift: plain CacheBlend (default: on)")
     blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
                        help="shortest chunk, in tokens, that is cached and reused")
+    blend.add_argument("--blend-chunk-tokens", type=non_negative_int, metavar="N", default=defaults.blend_chunk_tokens,
+                       help="cut messages and parts into chunks of about N tokens where their content says (a "
+                            "rolling hash over token windows: the same text cuts the same way wherever it stands), "
+                            "so passages glued into one message are found and reused; chunks are never shorter "
+                            "than --blend-min-tokens. 0: only the client's messages, parts and separators "
+                            "(default: %(default)s)")
     blend.add_argument("--blend-separator", type=separator, metavar="STRING", default=defaults.blend_separator,
                        help="/v1/completions: split a text prompt into reusable chunks at this string, "
                             "which is removed (default: none; the prompt is one piece)")
@@ -403,7 +409,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
         blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
         blend_query_weight=args.blend_query_weight, blend_key_shift=args.blend_key_shift,
-        blend_min_tokens=args.blend_min_tokens,
+        blend_min_tokens=args.blend_min_tokens, blend_chunk_tokens=args.blend_chunk_tokens,
         blend_separator=args.blend_separator)
 
 
