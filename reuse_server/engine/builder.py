@@ -110,8 +110,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-        first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
-        query_weight=config.blend_query_weight)
+        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens)
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,
                       key_shift)
