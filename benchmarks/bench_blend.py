@@ -227,26 +227,36 @@ def main() -> None:
             sampler.first_logits.pop(rid)
         if (i + 1) % 10 == 0:
             print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs), flush=True)
+            if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps what it measured
+                Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
+    rows = summarize(results, configs, len(cases), args)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
+    """One row per config over the first n cases."""
     full_ttft = statistics.median(results["full"]["ttft"])
     rows = []
     for name, _, ratio, _, selection in configs:
         r = results[name]
         rows.append(dict(
-            config=name, selection=selection.key() if selection else None, ratio=ratio, cases=len(cases), accuracy=round(r["correct"] / len(cases), 4),
+            config=name, selection=selection.key() if selection else None, ratio=ratio, cases=n,
+            accuracy=round(r["correct"] / n, 4),
             kl_median=round(statistics.median(r["kl"]), 4), kl_mean=round(statistics.fmean(r["kl"]), 4),
-            first_tokens_agree=round(sum(r["agree"]) / len(cases), 4),
+            first_tokens_agree=round(sum(r["agree"]) / n, 4),
             ttft_median_s=round(statistics.median(r["ttft"]), 4),
             ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
-            prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4), recomputed_share=round(r["recomputed"] / r["prompt"], 4),
-            mean_prompt_tokens=round(r["prompt"] / len(cases)),
+            prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4),
+            recomputed_share=round(r["recomputed"] / r["prompt"], 4),
+            mean_prompt_tokens=round(r["prompt"] / n),
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
                           key_shift=args.key_shift,
                           precompute_after_template=args.precompute_after_template, fill=args.fill,
                           prefix_cache=args.prefix_cache, model=args.model or "smollm2")))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-
+    return rows
 
 if __name__ == "__main__":
     main()
