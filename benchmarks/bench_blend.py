@@ -8,9 +8,12 @@ as served, so the template opening and the passage that comes first are exact hi
 measures blending alone). For full prefill, naive reuse (ratio 0) and selective
 recompute ratios, report answer accuracy, the KL divergence of the first answer token against full
 prefill, greedy agreement of the first tokens, and time to first token (the prefill step).
+--selections runs each ratio under several selection strategies (cacheblend, epic, a3: blend/strategies.py)
+on the same cases and engine; each spends the same budget, ceil(ratio * reused tokens), per prompt.
 
     .venv/bin/python -m benchmarks.bench_blend [--cases 100] [--ratios 0,0.05,0.15,0.3] [--out FILE.json]
     .venv/bin/python -m benchmarks.bench_blend --glued [--fill traffic]   # passages glued into one string
+    .venv/bin/python -m benchmarks.bench_blend --ratios 0.05,0.15 --selections cacheblend,epic,a3
 """
 from __future__ import annotations
 
@@ -26,16 +29,17 @@ from pathlib import Path
 import torch
 
 from blend.chunking import encode, render_chat_chunks
+from blend.strategies import SELECTIONS, ChunkStarts, Deviation, QuestionAttention
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
-# the shared data folder: in the checkout, or beside it (a git worktree's checkout has none of its own)
-DOCS = next((root / "shared" / "data" / "docs" / "lee_background.cor" for root in Path(__file__).resolve().parents[1:4]
-             if (root / "shared" / "data" / "docs" / "lee_background.cor").exists()),
-            Path(__file__).resolve().parents[1].parent / "shared" / "data" / "docs" / "lee_background.cor")
+_CORPUS = Path("shared") / "data" / "docs" / "lee_background.cor"
+# the shared data folder beside the repository, or beside a folder above it (a git worktree's)
+DOCS = next((p / _CORPUS for p in Path(__file__).resolve().parents[1:] if (p / _CORPUS).exists()),
+            Path(__file__).resolve().parents[1].parent / _CORPUS)
 QUESTION = "What is the access code for the Orion project?"
 ANSWER_PREFIX = "Answer:"
 FIRST_TOKENS = 5
@@ -105,9 +109,10 @@ def prompt_for(tokenizer, passages: list[str], glued: bool = False) -> tuple[lis
 
 
 def run_one(engine: LLMEngine, rid: str, ids, spans, blend: bool, ratio: float | None, max_tokens: int,
-            prefix_cache: bool = False):
+            prefix_cache: bool = False, selection=None):
     engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                       CacheOptions(prefix_cache=prefix_cache, chunk_spans=spans, blend=blend, recompute_ratio=ratio))
+                       CacheOptions(prefix_cache=prefix_cache, chunk_spans=spans, blend=blend, recompute_ratio=ratio,
+                                    blend_selection=selection))
     out_ids, first, last = [], None, None
     t0 = time.perf_counter()
     while engine.has_work():
@@ -149,8 +154,10 @@ def main() -> None:
     ap.add_argument("--check-layers", default="1")
     ap.add_argument("--gradual-factors", default="1")
     ap.add_argument("--score", default="kv")
-    ap.add_argument("--first-tokens", type=int, default=0)
-    ap.add_argument("--query-weight", type=float, default=0.0)
+    ap.add_argument("--selections", default="cacheblend",
+                    help="comma-separated selection strategies, each run at every ratio: " + ", ".join(SELECTIONS))
+    ap.add_argument("--first-tokens", type=int, default=0, help="epic: each chunk's first N tokens (0: the ratio)")
+    ap.add_argument("--query-weight", type=float, default=0.0, help="cacheblend: the question's attention weight")
     ap.add_argument("--key-shift", action=argparse.BooleanOptionalAction, default=True,
                     help="the server's --blend-key-shift (default on); --no-key-shift: plain CacheBlend")
     ap.add_argument("--seed", type=int, default=0)
@@ -179,16 +186,21 @@ def main() -> None:
         max_num_batched_tokens=8192, kv_cache_memory=2 << 30, enable_blend=False,
         blend_check_layers=tuple(int(x) for x in args.check_layers.split(",")),
         blend_gradual_factors=tuple(float(x) for x in args.gradual_factors.split(",")),
-        blend_score=args.score, blend_first_tokens=args.first_tokens, blend_min_tokens=16,
-        blend_query_weight=args.query_weight, blend_key_shift=args.key_shift, blend_chunk_tokens=args.chunk_tokens))
+        blend_score=args.score, blend_min_tokens=16, blend_key_shift=args.key_shift,
+        blend_chunk_tokens=args.chunk_tokens))
     engine.sampler = sampler = CapturingSampler()
     tok = engine.tokenizer
     ratios = [float(r) for r in args.ratios.split(",")]
-    # (name, blend, ratio, prefix cache); full prefill never uses the cache. "prefix only" (exact prefix
-    # caching without blending) runs last: it files exact KV of the whole prompt that others would hit.
-    configs = [("full", False, None, False)] + [(f"ratio={r:g}", True, r, args.prefix_cache) for r in ratios]
+    strategies = {"cacheblend": Deviation(args.query_weight), "epic": ChunkStarts(args.first_tokens),
+                  "a3": QuestionAttention()}
+    selections = [strategies[s] for s in args.selections.split(",")]
+    # (name, blend, ratio, prefix cache, selection); full prefill never uses the cache. "prefix only" (exact
+    # prefix caching without blending) runs last: it files exact KV of the whole prompt that others would hit.
+    configs = [("full", False, None, False, None)] + [
+        (f"ratio={r:g}" if len(selections) == 1 else f"{s.name} ratio={r:g}", True, r, args.prefix_cache, s)
+        for r in ratios for s in selections]
     if args.prefix_cache:
-        configs.append(("prefix only", False, None, True))
+        configs.append(("prefix only", False, None, True, None))
     results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0)
                for name, *_ in configs}
     cases = make_cases(args.cases, args.passages, args.seed, args.max_words)
@@ -207,10 +219,10 @@ def main() -> None:
         random.Random(args.seed * 1000 + i).shuffle(order)
         ids, spans = prompt_for(tok, order, args.glued)
         ref_ids = None
-        for name, blend, ratio, prefix_cache in configs:
+        for name, blend, ratio, prefix_cache, selection in configs:
             rid = f"{name}-{i}"
             out_ids, ttft, last = run_one(engine, rid, ids, spans, blend, ratio, args.max_tokens,
-                                          prefix_cache=prefix_cache)
+                                          prefix_cache=prefix_cache, selection=selection)
             text = tok.decode(out_ids, skip_special_tokens=True)
             r = results[name]
             r["correct"] += case.code in text
@@ -226,26 +238,37 @@ def main() -> None:
             sampler.first_logits.pop(rid)
         if (i + 1) % 10 == 0:
             print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs), flush=True)
+            if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps what it measured
+                Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
+    rows = summarize(results, configs, len(cases), args)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
+    """One row per config over the first n cases."""
     full_ttft = statistics.median(results["full"]["ttft"])
     rows = []
-    for name, *_ in configs:
+    for name, _, ratio, _, selection in configs:
         r = results[name]
         rows.append(dict(
-            config=name, cases=len(cases), accuracy=round(r["correct"] / len(cases), 4),
+            config=name, selection=selection.key() if selection else None, ratio=ratio, cases=n,
+            accuracy=round(r["correct"] / n, 4),
             kl_median=round(statistics.median(r["kl"]), 4), kl_mean=round(statistics.fmean(r["kl"]), 4),
-            first_tokens_agree=round(sum(r["agree"]) / len(cases), 4),
+            first_tokens_agree=round(sum(r["agree"]) / n, 4),
             ttft_median_s=round(statistics.median(r["ttft"]), 4),
             ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
-            prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4), recomputed_share=round(r["recomputed"] / r["prompt"], 4),
-            mean_prompt_tokens=round(r["prompt"] / len(cases)),
+            prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4),
+            recomputed_share=round(r["recomputed"] / r["prompt"], 4),
+            mean_prompt_tokens=round(r["prompt"] / n),
             settings=dict(check_layers=args.check_layers, gradual_factors=args.gradual_factors, score=args.score,
-                          first_tokens=args.first_tokens, query_weight=args.query_weight, key_shift=args.key_shift,
+                          key_shift=args.key_shift,
                           precompute_after_template=args.precompute_after_template, fill=args.fill,
                           prefix_cache=args.prefix_cache, model=args.model or "smollm2", glued=args.glued,
                           chunk_tokens=args.chunk_tokens)))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

@@ -200,20 +200,22 @@ class GradualSchedule:
 def first_tokens_mask(
     chunk_starts: list[int] | torch.Tensor,
     chunk_lens: list[int] | torch.Tensor,
-    k: int,
+    k: int | list[int],
     total: int | None = None,
 ) -> torch.Tensor:
-    """Bool mask [total] marking the first min(k, len) tokens of each chunk.
+    """Bool mask [total] marking the first min(k, len) tokens of each chunk (k: one count for every chunk,
+    or one per chunk).
 
-    (EPIC's LegoLink observation: a reused chunk's first tokens attend only to themselves
-    when cached alone, so they deviate most and are worth always recomputing.)
+    (EPIC's LegoLink observation: a chunk cached alone makes its first tokens an attention
+    sink, so they are the ones to recompute; blend/strategies.py's ChunkStarts.)
     ``total`` defaults to the end of the last chunk.
     """
     starts = [int(s) for s in chunk_starts]
     lens = [int(n) for n in chunk_lens]
-    if len(starts) != len(lens):
-        raise ValueError("chunk_starts and chunk_lens differ in length")
-    if k < 0 or any(s < 0 for s in starts) or any(n < 0 for n in lens):
+    ks = [int(k)] * len(starts) if isinstance(k, int) else [int(x) for x in k]
+    if len(starts) != len(lens) or len(ks) != len(starts):
+        raise ValueError("chunk_starts, chunk_lens and per-chunk k differ in length")
+    if any(x < 0 for x in ks) or any(s < 0 for s in starts) or any(n < 0 for n in lens):
         raise ValueError("k, starts and lens must be >= 0")
     end = max((s + n for s, n in zip(starts, lens)), default=0)
     if total is None:
@@ -221,6 +223,6 @@ def first_tokens_mask(
     elif total < end:
         raise ValueError(f"total {total} < end of last chunk {end}")
     mask = torch.zeros(total, dtype=torch.bool)
-    for s, n in zip(starts, lens):
-        mask[s : s + min(k, n)] = True
+    for s, n, kk in zip(starts, lens, ks):
+        mask[s : s + min(kk, n)] = True
     return mask

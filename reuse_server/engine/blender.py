@@ -10,8 +10,10 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   forward; for each slice the Blender gives a SliceSelection, which only chooses rows: every token not
   reused is always computed; reused tokens are computed up to the first check layer, where the deviation
   between their stale and fresh KV picks the ones to keep computing (gradually fewer at later check layers);
-  the rest keep their reused KV from there on. With query weighting, a probe pass of the question over the
-  reused KV comes first (QuestionProbe);
+  the rest keep their reused KV from there on. That is CacheBlend; the selection strategy (blend/strategies.py)
+  may instead choose before the forward (EPIC: each chunk's first tokens; A³: what the question attends to),
+  and then only the chosen reused tokens are computed, at every layer. A strategy that reads the question
+  runs a probe pass of it over the reused KV first (QuestionProbe);
 - finish: the job's counts go to the request's usage, and the prompt's chunks (its spans cut by their content,
   blend/content_cuts.py) that the index lacks and that hold no blended KV are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
   namespace of the radix cache.
@@ -22,11 +24,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from blend import GradualSchedule, first_tokens_mask, kv_deviation
 from blend.chunk_index import ChunkHit, ChunkIndex
 from blend.content_cuts import SpanCuts, WholeSpans
 from blend.key_shift import KeyShift, moved_keys
-from blend.selection import combine_scores, query_attention, select_top_k
+from blend.selection import (GradualSchedule, combine_scores, count_for_ratio, kv_deviation, query_attention,
+                             select_top_k)
+from blend.strategies import ChunkStarts, Deviation, QuestionAttention, Selection
 
 from reuse_server.kv.block_manager import BlockManager, approximate_namespace
 from reuse_server.kv.pool import KVPool
@@ -51,11 +54,9 @@ class BlendSettings:
     # at the last check layer (e.g. check layers (1, 2, 3) with factors (3, 2, 1)).
     gradual_factors: tuple[float, ...] = (1.0,)
     score: str = "kv"  # deviation score: "k", "v" or "kv"
-    first_tokens: int = 0  # always recompute each reused chunk's first k tokens (EPIC); 0: off
-    # Query-aware selection: a probe pass runs the prompt's tail after the last reused chunk (the question)
-    # over the reused KV; the attention it pays each reused token, summed over layers, joins the deviation
-    # score with this weight. 0: deviation alone (CacheBlend).
-    query_weight: float = 0.0
+    # which reused tokens are recomputed (blend/strategies.py); check_layers, gradual_factors and score
+    # tune Deviation only
+    selection: Selection = field(default_factory=Deviation)
     min_chunk_tokens: int = 32
 
     def schedule(self, ratio: float) -> GradualSchedule:
@@ -76,11 +77,15 @@ class BlendJob:
 
     reused: torch.Tensor  # bool [prompt tokens]: KV copied in from the chunk index
     ratio: float
-    always: torch.Tensor | None  # bool [prompt tokens]: always recomputed (first tokens of each chunk)
-    probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays (query weighting)
+    selection: Selection
+    # bool [prompt tokens]: the reused tokens a static selection recomputes at every layer (None: chosen at
+    # check layers, or, for a selection that reads the question, not yet chosen)
+    chosen: torch.Tensor | None = None
+    probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays
     probed: bool = False
     blended: int = 0  # reused tokens selection left alone
     recomputed: int = 0  # reused tokens selection recomputed
+    recomputed_positions: list[int] = field(default_factory=list)  # ... and where they are in the prompt
 
 
 class Blender:
@@ -115,12 +120,16 @@ class Blender:
         ratio = seq.options.recompute_ratio
         return self.settings.recompute_ratio if ratio is None else ratio
 
+    def selection_for(self, seq: Sequence) -> Selection:
+        chosen = seq.options.blend_selection
+        return self.settings.selection if chosen is None else chosen
+
     def approximate_namespace(self, seq: Sequence) -> bytes:
         """The namespace seq's blended KV is filed under: everything that decides what KV blending produces."""
         s = self.settings
         return approximate_namespace(seq.namespace, f"r={self.ratio_for(seq):.6g};score={s.score};"
-                                     f"check={s.check_layers};factors={s.gradual_factors};first={s.first_tokens};"
-                                     f"query={s.query_weight:g};shift={self.key_shift is not None}")
+                                     f"check={s.check_layers};factors={s.gradual_factors};"
+                                     f"select={self.selection_for(seq).key()};shift={self.key_shift is not None}")
 
     def fits(self, seq: Sequence) -> bool:
         """Whether seq's prompt can ever be blended here. Blending copies reused KV into blocks for the whole
@@ -152,11 +161,12 @@ class Blender:
         for r in reuses:
             reused[r.start + r.skip:r.start + r.hit.num_tokens] = True
         reused[:seq.num_computed] = False  # served by the exact prefix: not computed at all
-        always = None
-        if self.settings.first_tokens:
-            always = first_tokens_mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
-                                       self.settings.first_tokens, total=n)
-        seq.blend = BlendJob(reused, self.ratio_for(seq), always)
+        ratio, selection = self.ratio_for(seq), self.selection_for(seq)
+        job = BlendJob(reused, ratio, selection)
+        if isinstance(selection, ChunkStarts):
+            job.chosen = selection.mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
+                                        count_for_ratio(ratio, int(reused.sum())), total=n) & reused
+        seq.blend = job
         return True
 
     def _lookup(self, seq: Sequence) -> list[Reuse]:
@@ -226,7 +236,7 @@ class Blender:
 
     def needs_probe(self, seq: Sequence) -> bool:
         job = seq.blend
-        return (job is not None and not job.probed and bool(self.settings.query_weight)
+        return (job is not None and not job.probed and job.selection.reads_question
                 and bool(job.reused.any()) and self.settings.schedule(job.ratio).ratios[0] > 0)
 
     def probe(self, seq: Sequence) -> tuple[list[int], "QuestionProbe"]:
@@ -242,6 +252,11 @@ class Blender:
     def selection(self, seq: Sequence, start: int, num_tokens: int) -> "SliceSelection":
         """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
         job = seq.blend
+        if job.chosen is None and isinstance(job.selection, QuestionAttention):
+            # the probe has run (or nothing is to be recomputed): choose once, for every slice
+            budget = count_for_ratio(job.ratio, int(job.reused.sum()))
+            attention = job.probe if job.probe is not None else torch.zeros(len(job.reused))
+            job.chosen = QuestionAttention.mask(attention, job.reused, budget)
         end = start + num_tokens
         return SliceSelection(self.pool, self.settings, job, start, end, final=end == seq.num_tokens)
 
@@ -251,6 +266,7 @@ class Blender:
         job = seq.blend
         job.recomputed += selection.recomputed
         job.blended += selection.num_reused - selection.recomputed
+        job.recomputed_positions += selection.recomputed_positions()
         if job.blended:
             self.blocks.make_approximate(seq)
 
@@ -294,26 +310,42 @@ class Blender:
 
 class SliceSelection:
     """Which of one blended slice's tokens each layer computes (the slice's tokens are prompt positions
-    start .. end - 1). Tokens not reused always go on; reused ones go on until a check layer, where the
-    deviation of their stale from their fresh K/V keeps the top share of them."""
+    start .. end - 1). Tokens not reused always go on. Under a static selection the chosen reused tokens go
+    on too and the others are not computed at all; otherwise reused ones go on until a check layer, where
+    the deviation of their stale from their fresh K/V keeps the top share of them."""
 
     def __init__(self, pool: KVPool, settings: BlendSettings, job: BlendJob, start: int, end: int, final: bool):
         self.pool = pool
         self.settings = settings
+        self.start = start
         self.reused = job.reused[start:end].clone()
         if final:
             self.reused[-1] = False  # the last token gives the logits
         self.num_reused = int(self.reused.sum())
         self.schedule = settings.schedule(job.ratio)
-        self.always = None if job.always is None else job.always[start:end]
+        self.query_weight = job.selection.query_weight if isinstance(job.selection, Deviation) else 0.0
         self.probe = None if job.probe is None else job.probe[start:end]
-        # Nothing will be selected: the reused tokens skip every layer (plain KV reuse).
-        skip_reused = self.num_reused and self.schedule.ratios[0] == 0.0 and self.always is None
-        self.input_rows = (~self.reused).nonzero(as_tuple=True)[0] if skip_reused else None
-        self.recomputed = 0 if skip_reused else self.num_reused
+        self.chosen_rows: torch.Tensor | None = None  # slice positions of the reused tokens recomputed
+        if job.chosen is not None:  # chosen before the forward: the rest skip every layer
+            computed = ~self.reused | (job.chosen[start:end] & self.reused)
+            self.static = True
+        else:  # chosen at the check layers; with nothing to choose, the reused tokens skip every layer
+            computed = ~self.reused if self.num_reused and self.schedule.ratios[0] == 0.0 else None
+            self.static = computed is not None
+        self.input_rows = None if computed is None else computed.nonzero(as_tuple=True)[0]
+        if self.static:
+            self.chosen_rows = (computed & self.reused).nonzero(as_tuple=True)[0]
+        self.recomputed = len(self.chosen_rows) if self.static else self.num_reused
 
     def checks(self, layer: int) -> bool:
-        return self.num_reused > 0 and self.schedule.is_check_layer(layer)
+        return not self.static and self.num_reused > 0 and self.schedule.is_check_layer(layer)
+
+    def recomputed_positions(self) -> list[int]:
+        """Prompt positions of the reused tokens this slice computed through the last layer."""
+        rows = self.chosen_rows
+        if rows is None:  # no check layer ran: every reused token went through every layer
+            rows = self.reused.nonzero(as_tuple=True)[0]
+        return (rows + self.start).tolist()
 
     def choose(self, layer: int, local: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slots: torch.Tensor) -> torch.Tensor | None:
@@ -327,12 +359,12 @@ class SliceSelection:
         cand_dev = cand.to(k.device)
         old_k, old_v = self.pool.read(layer, slots[cand_dev])
         dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
-        if self.probe is not None:
+        if self.probe is not None and self.query_weight:
             # the question's attention mass is summed on the host (QuestionProbe); the deviation is the pool's
-            dev = combine_scores(dev, self.probe[local[cand]].to(dev.device), self.settings.query_weight)
+            dev = combine_scores(dev, self.probe[local[cand]].to(dev.device), self.query_weight)
         keep = self.schedule.selection_count(layer, self.num_reused)
-        cand_always = None if self.always is None else self.always[local[cand]]
-        chosen = cand[select_top_k(dev.cpu(), keep, cand_always).cpu()]
+        chosen = cand[select_top_k(dev.cpu(), keep).cpu()]
+        self.chosen_rows = local[chosen]
         rows = torch.cat([(~self.reused[local]).nonzero(as_tuple=True)[0], chosen]).sort().values
         self.recomputed = int(self.reused[local[rows]].sum())
         return rows

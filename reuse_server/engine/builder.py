@@ -131,8 +131,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-        first_tokens=config.blend_first_tokens, min_chunk_tokens=config.blend_min_tokens,
-        query_weight=config.blend_query_weight)
+        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens)
     if config.blend_key_shift and path is None:
         raise ValueError("the key shift is calibrated per model folder: a model built in the process needs "
                          "blend_key_shift=False")

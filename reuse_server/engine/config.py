@@ -97,14 +97,20 @@ class EngineConfig:
     blend_check_layers: tuple[int, ...] = (1,)
     blend_gradual_factors: tuple[float, ...] = (1.0,)
     blend_score: str = "kv"  # K+V deviation: best of k, v, kv on the needle benchmark (BENCHMARKS.md)
-    blend_first_tokens: int = 0
-    blend_query_weight: float = 0.0
+    blend_selection: str = "cacheblend"  # which reused tokens are recomputed: cacheblend, epic, a3 (blend/strategies.py)
+    blend_first_tokens: int = 0  # epic: each chunk's first N tokens (0: the recompute ratio's budget, spread)
+    blend_query_weight: float = 0.0  # cacheblend: weight of the question's attention in the deviation score
     blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
     # Client spans are cut into chunks of about this many tokens where their content says (a rolling hash;
     # blend/content_cuts.py), so text glued into one message is reused in pieces; 0: only the client's spans.
     blend_chunk_tokens: int = 64
     blend_separator: str | None = None  # /v1/completions: split the prompt into chunks at this string
+
+    def blend_strategy(self):
+        """The blend.strategies.Selection these settings name."""
+        from blend.strategies import make_selection
+        return make_selection(self.blend_selection, self.blend_first_tokens, self.blend_query_weight)
 
     def validate(self) -> None:
         """Raise ValueError naming every setting that cannot work (the model-dependent checks, such as the
@@ -151,6 +157,10 @@ class EngineConfig:
             problems.append(f"num_window_blocks must be at least 2, got {self.num_window_blocks}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             problems.append(f"num_gpu_blocks must be at least 2, got {self.num_gpu_blocks}")
+        try:
+            self.blend_strategy()
+        except ValueError as exc:
+            problems.append(str(exc))
         if not 0.0 <= self.blend_recompute_ratio <= 1.0:
             problems.append(f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}")
         if len(self.blend_gradual_factors) != len(self.blend_check_layers):

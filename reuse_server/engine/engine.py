@@ -272,7 +272,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_ids, new_text=new_text, finished=finished,
             finish_reason=seq.finish_reason if finished else None, num_prompt_tokens=len(seq.prompt_ids),
             num_output_tokens=len(seq.output_ids), cached_tokens=usage.cached_tokens or 0,
-            blended_tokens=usage.blended_tokens, recomputed_tokens=usage.recomputed_tokens, logprobs=lp,
+            blended_tokens=usage.blended_tokens, recomputed_tokens=usage.recomputed_tokens,
+            recomputed_positions=usage.recomputed_positions, logprobs=lp,
             chunk_tokens_stored=usage.chunk_tokens_stored, chunk_tokens_present=usage.chunk_tokens_present,
             tier_tokens=dict(usage.tier_tokens), cache_write_tokens=usage.cache_write_tokens,
             breakpoint_write_tokens=dict(usage.breakpoint_write_tokens))

@@ -24,6 +24,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from cache (prefix hits + blended)
     blended_tokens: int = 0  # reused from the chunk index, not recomputed
     recomputed_tokens: int = 0  # reused but recomputed by selection
+    recomputed_positions: tuple[int, ...] = ()  # ... their prompt positions (what selection chose)
     logprobs: list[TokenLogprob] | None = None
     chunk_tokens_stored: int = 0  # precompute requests: tokens newly filed in the chunk index
     chunk_tokens_present: int = 0  # ... and tokens of chunks that were already there

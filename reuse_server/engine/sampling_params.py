@@ -124,6 +124,9 @@ class CacheOptions:
     tenant: str | None = None
     blend: bool | None = None  # None: server default
     recompute_ratio: float | None = None  # None: server default
+    # a blend.strategies.Selection for this request (None: the server's); set in-process only (benchmarks
+    # compare strategies on one engine), no API field reaches it
+    blend_selection: object | None = None
     # (prompt position, length) of each chunk a client marked as a unit (a message, a text part, a
     # separator-delimited piece): what the chunk index registers and looks up
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)

@@ -250,6 +250,7 @@ class Scheduler:
         usage.counted = True
         if job is not None:
             usage.blended_tokens, usage.recomputed_tokens = job.blended, job.recomputed
+            usage.recomputed_positions = tuple(job.recomputed_positions)
             usage.cached_tokens = (usage.cached_tokens or 0) + job.blended
         if self.blender is not None and (not seq.generates or self.blends(seq)):
             reused = job.reused if job is not None else None  # blended KV is approximate: not filed as chunks

@@ -67,6 +67,7 @@ class Usage:
     tier_tokens: dict[str, int] = field(default_factory=dict)  # of those, loaded from each tier below the pool
     blended_tokens: int = 0  # reused from the chunk index and not recomputed
     recomputed_tokens: int = 0  # reused from the chunk index but recomputed by selection
+    recomputed_positions: tuple[int, ...] = ()  # ... and their prompt positions
     counted: bool = False  # its prompt's KV was complete once: reported, and added to the engine's counters
     first_token_time: float | None = None
     chunk_tokens_stored: int = 0  # chunks this request filed in the chunk index

@@ -300,14 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
                             "(e.g. 3,2,1: three times the ratio kept at the first check layer)")
     blend.add_argument("--blend-score", default=defaults.blend_score, choices=["k", "v", "kv"],
                        help="deviation between reused and fresh KV that picks the tokens to recompute")
+    blend.add_argument("--blend-selection", default=defaults.blend_selection, choices=["cacheblend", "epic", "a3"],
+                       help="which reused tokens are recomputed: cacheblend (those whose KV deviates most at the "
+                            "check layers; every reused token is computed up to there), epic (only the first "
+                            "tokens of each reused chunk, at every layer), a3 (those the question attends to most, "
+                            "found by one pass of the question over the reused KV). Each spends the recompute "
+                            f"ratio (default: {defaults.blend_selection})")
     blend.add_argument("--blend-first-tokens", type=non_negative_int, metavar="N",
                        default=defaults.blend_first_tokens,
-                       help="always recompute each reused chunk's first N tokens (0: off)")
+                       help="with --blend-selection epic: recompute exactly each reused chunk's first N tokens, "
+                            "EPIC's k (0, the default: the recompute ratio's share, spread evenly over the chunks)")
     blend.add_argument("--blend-query-weight", type=non_negative_float, metavar="W",
                        default=defaults.blend_query_weight,
-                       help="query-aware selection: first run the prompt's tail after the last reused chunk (the "
-                            "question) over the reused KV, and add W times the attention it pays each token to "
-                            "the deviation score (0: off, plain CacheBlend; costs one pass of the tail)")
+                       help="with --blend-selection cacheblend: first run the prompt's tail after the last reused "
+                            "chunk (the question) over the reused KV, and add W times the attention it pays each "
+                            "token to the deviation score (0: off, plain CacheBlend; costs one pass of the tail)")
     blend.add_argument("--blend-key-shift", action=argparse.BooleanOptionalAction, default=defaults.blend_key_shift,
                        help="add the model's key shift to chunks reused from their alone form (calibrated once per "
                             "model, ~10 s for SmolLM2, kept in $KV_REUSE_KEY_SHIFT_DIR or the model cache folder); "
@@ -407,7 +414,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tier_kv_dtype=args.tier_kv_dtype, kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
         enable_blend=args.enable_blend, blend_recompute_ratio=args.blend_recompute_ratio,
         blend_check_layers=args.blend_check_layers, blend_gradual_factors=args.blend_gradual_factors,
-        blend_score=args.blend_score, blend_first_tokens=args.blend_first_tokens,
+        blend_score=args.blend_score, blend_selection=args.blend_selection, blend_first_tokens=args.blend_first_tokens,
         blend_query_weight=args.blend_query_weight, blend_key_shift=args.blend_key_shift,
         blend_min_tokens=args.blend_min_tokens, blend_chunk_tokens=args.blend_chunk_tokens,
         blend_separator=args.blend_separator)
@@ -418,6 +425,12 @@ def blend_flags_problem(args: argparse.Namespace) -> str | None:
     if len(args.blend_gradual_factors) != len(args.blend_check_layers):
         return (f"--blend-gradual-factors has {len(args.blend_gradual_factors)} values but --blend-check-layers "
                 f"has {len(args.blend_check_layers)} layers; give one factor per check layer")
+    if args.blend_first_tokens and args.blend_selection != "epic":
+        return (f"--blend-first-tokens is EPIC's count of first tokens per chunk; it needs --blend-selection epic "
+                f"(got {args.blend_selection})")
+    if args.blend_query_weight and args.blend_selection != "cacheblend":
+        return (f"--blend-query-weight weighs the question's attention into CacheBlend's deviation score; it needs "
+                f"--blend-selection cacheblend (got {args.blend_selection}; a3 selects by that attention alone)")
     return None
 
 

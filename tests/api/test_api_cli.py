@@ -61,13 +61,15 @@ def test_flags_reach_engine_config():
 def test_blend_flags_reach_engine_config():
     args = build_parser().parse_args([
         "serve", "--blend", "--blend-recompute-ratio", "0.3", "--blend-check-layers", "1,4,8",
-        "--blend-gradual-factors", "3,2,1", "--blend-score", "v", "--blend-first-tokens", "2",
-        "--blend-query-weight", "1.5", "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
+        "--blend-gradual-factors", "3,2,1", "--blend-score", "v", "--blend-selection", "epic",
+        "--blend-first-tokens", "2", "--blend-min-tokens", "8", "--blend-separator", "\n\n###\n\n"])
     assert engine_config(args) == EngineConfig(
         model="smollm2", enable_blend=True, blend_recompute_ratio=0.3, blend_check_layers=(1, 4, 8),
-        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="v", blend_first_tokens=2, blend_query_weight=1.5,
+        blend_gradual_factors=(3.0, 2.0, 1.0), blend_score="v", blend_selection="epic", blend_first_tokens=2,
         blend_min_tokens=8,
         blend_separator="\n\n###\n\n")
+    args = build_parser().parse_args(["serve", "--blend-query-weight", "1.5"])
+    assert engine_config(args).blend_query_weight == 1.5 and engine_config(args).blend_selection == "cacheblend"
     assert engine_config(build_parser().parse_args(["serve", "--no-blend"])).enable_blend is False
 
 
@@ -102,6 +104,9 @@ def test_parse_size(text, size):
     (["--blend-min-tokens", "0"], "at least 1"),
     (["--blend-query-weight", "-1"], "finite number >= 0"),
     (["--blend-query-weight", "inf"], "finite number >= 0"),
+    (["--blend-selection", "sparse"], "invalid choice"),
+    (["--blend-first-tokens", "4"], "needs --blend-selection epic"),
+    (["--blend-selection", "a3", "--blend-query-weight", "1"], "needs --blend-selection cacheblend"),
     (["--blend-separator", ""], "must not be empty"),
     (["--api-key", ""], "must not be empty"),
     (["--admin-api-key", " "], "must not be empty"),
