@@ -52,10 +52,10 @@ class CapturingSampler(Sampler):
         super().__init__()
         self.first_logits: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits, states, params, histories=None):
+    def pick(self, logits, states, params, histories=None):
         for row, state in enumerate(states):
             self.first_logits.setdefault(state.request_id, logits[row].float().clone())
-        return super().sample(logits, states, params, histories)
+        return super().pick(logits, states, params, histories)
 
 
 @dataclass

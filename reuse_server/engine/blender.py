@@ -112,9 +112,17 @@ class Blender:
         return [(s, n) for s, n in seq.options.chunk_spans if n >= self.index.min_tokens]
 
     def _chunks(self, seq: Sequence) -> list[tuple[int, int]]:
-        """The chunks seq registers: its client spans cut by their content (blend/content_cuts.py), so text
-        glued into one message is filed in pieces that the same text elsewhere cuts into again."""
-        return [(s, n) for s, n in self.cuts.cut(seq.prompt_ids, self._client_spans(seq)) if n >= self.index.min_tokens]
+        """The chunks seq registers: each client span whole, then its pieces cut by their content
+        (blend/content_cuts.py), so text glued into one message is filed in pieces that the same text elsewhere
+        cuts into again. The whole span comes first: a part sent again as a part is then reused as one chunk,
+        the key shift of its alone form reaching every token of it (a piece after the first is filed in the
+        context of the span's earlier text, which the shift does not correct); its first piece is the whole
+        span's beginning, already in the tree, and costs nothing."""
+        spans = self._client_spans(seq)
+        whole = set(spans)
+        pieces = [(s, n) for s, n in self.cuts.cut(seq.prompt_ids, spans)
+                  if n >= self.index.min_tokens and (s, n) not in whole]
+        return spans + pieces
 
     def ratio_for(self, seq: Sequence) -> float:
         ratio = seq.options.recompute_ratio

@@ -152,7 +152,9 @@ def first_token_kls(engine: LLMEngine, ratio: float) -> list[float]:
 
 @pytest.fixture(scope="module")
 def smollm2_engines():
-    cfg = dict(model=str(resolve_model(None)), kv_cache_memory=64 << 20, max_num_batched_tokens=2048,
+    # room for every passage whole and in content-cut pieces (the Blender files both), so no passage's whole
+    # chunk is evicted before its reuse and each is reused whole, its key shift reaching all of it
+    cfg = dict(model=str(resolve_model(None)), kv_cache_memory=256 << 20, max_num_batched_tokens=2048,
                blend_min_tokens=16)
     return build_engine(EngineConfig(**cfg)), build_engine(EngineConfig(**cfg, blend_key_shift=False))
 
