@@ -287,9 +287,11 @@ class Blender:
 
     def register(self, seq: Sequence, reused: torch.Tensor | None = None) -> tuple[int, int]:
         """File seq's chunks whose KV is exact and not yet indexed (called once its prompt is computed); a
-        chunk with any token in `reused` (KV copied in by its blend job) is not. Returns (tokens newly
-        stored, tokens of chunks that were already indexed)."""
-        stored = present = 0
+        chunk with any token in `reused` (KV copied in by its blend job) is not. Returns (prompt tokens newly
+        filed, prompt tokens whose chunks were already indexed), each prompt token counted once although a
+        span and its pieces are filed apart."""
+        filed = torch.zeros(seq.num_tokens, dtype=torch.bool)  # prompt positions filed now
+        indexed = torch.zeros(seq.num_tokens, dtype=torch.bool)  # and found filed already
         for start, n in self._chunks(seq):
             alone = self._is_first_chunk(seq, start)
             if start + n > seq.num_computed or (reused is not None and bool(reused[start:start + n].any())):
@@ -297,7 +299,7 @@ class Blender:
             tokens = seq.prompt_ids[start:start + n]
             # an alone copy serves every lookup (it is preferred); an in-context one only where none exists
             if self.index.contains(tokens, seq.namespace, True if alone else None):
-                present += n
+                indexed[start:start + n] = True
                 continue
             if not self._whole(seq.block_table[start // self.block_size:-(-(start + n) // self.block_size)]):
                 continue
@@ -312,8 +314,8 @@ class Blender:
                 log.debug("no room to register a %d-token chunk", n)
                 break
             self.registered_chunks += 1
-            stored += n
-        return stored, present
+            filed[start:start + n] = True
+        return int(filed.sum()), int((indexed & ~filed).sum())
 
 
 class SliceSelection:
