@@ -9,7 +9,7 @@ import pytest
 
 from coding_agents import REPO, AgentRun, ClaudeCode, CodexCLI
 from loadgen.recording_proxy import Exchange, recording_proxy
-from reuse_server.server.launcher import ServerStartError, served
+from reuse_server.server.launcher import ServerStartError, served, with_small_pool
 
 # What a base model may write before it stops is unbounded, and Codex sends no output limit: the server's
 # --max-tokens keeps a turn to about its prefill's time.
@@ -25,7 +25,8 @@ def gemma_server(tmp_path_factory) -> tuple[str, str, int]:
     """(base URL, served model id, its context length) of `reuse-server serve --model gemma3-270m` (32k context) in a subprocess."""
     log = tmp_path_factory.mktemp("gemma-server") / "server.log"
     try:
-        with served(["--model", "gemma3-270m", "--max-tokens", str(ANSWER_CAP)], log, cwd=REPO) as (url, _):
+        with served(with_small_pool(["--model", "gemma3-270m", "--max-tokens", str(ANSWER_CAP)]), log,
+                    cwd=REPO) as (url, _):
             (model,) = httpx.get(url + "/v1/models").json()["data"]
             yield url, model["id"], model["max_model_len"]
     except ServerStartError as exc:
