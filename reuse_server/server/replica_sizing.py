@@ -11,19 +11,21 @@ import argparse
 import contextlib
 import io
 
-from reuse_server.kv.sizing import Auto, cpu_budget, read_machine_memory
+from reuse_server.kv.sizing import Auto, MachineMemory, cpu_budget, read_machine_memory
 from reuse_server.server.launcher import names_pool
 
 
-def divided(serve_args: list[str], replicas: int) -> tuple[list[str], str | None]:
+def divided(serve_args: list[str], replicas: int,
+            machine: MachineMemory | None = None) -> tuple[list[str], str | None]:
     """(the replicas' flags with their part of the machine added, a line saying what each gets); the flags
-    as they are (and None) where they size the pool themselves or cannot be read (each replica reports why)."""
+    as they are (and None) where they size the pool themselves or cannot be read (each replica reports why).
+    machine: the figures to divide (default: read now)."""
     if names_pool(serve_args):
         return list(serve_args), None
     args = _serve_flags(serve_args)
     if args is None:
         return list(serve_args), None
-    usable = read_machine_memory().usable
+    usable = (machine or read_machine_memory()).usable
     host_tier = cpu_budget(usable, replicas, args.kv_cache_share)
     if args.device.startswith("cuda"):
         utilization = args.gpu_memory_utilization / replicas
