@@ -37,7 +37,7 @@ from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import CALL_OPEN, parse_tool_calls, tool_settings
 from reuse_server.model import load_tokenizer, resolve_model
-from reuse_server.server.launcher import served
+from reuse_server.server.launcher import served, with_small_pool
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
@@ -150,7 +150,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     tokenizer = load_tokenizer(resolve_model("gemma3-270m", "int8"))
-    with tempfile.TemporaryDirectory() as tmp, served(["--model", "gemma3-270m"], Path(tmp) / "server.log") as (url, _):
+    serve_args = with_small_pool(["--model", "gemma3-270m"])
+    with tempfile.TemporaryDirectory() as tmp, served(serve_args, Path(tmp) / "server.log") as (url, _):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         unconstrained_forms(url, model, tokenizer, args.max_tokens)
         served_auto(url, model, args.max_tokens)

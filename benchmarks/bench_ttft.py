@@ -29,7 +29,7 @@ from typing import Iterator
 import httpx
 import openai
 
-from reuse_server.server.launcher import served
+from reuse_server.server.launcher import served, with_small_pool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO.parent / "shared" / "data" / "docs" / "lee_background.cor"
@@ -45,9 +45,10 @@ def emit(**row) -> None:
 def server_process(*serve_args: str, startup_timeout: float = 600) -> Iterator[tuple[str, subprocess.Popen]]:
     """`reuse-server serve *serve_args` on a free loopback port; yields (base URL, process) once /health
     answers, and stops the server on the way out. Its log goes to a temporary file, kept if it shows a
-    traceback."""
+    traceback. A benchmark that names no pool size gets the small one its figures were measured with
+    (with_small_pool); one measuring the default sizing passes --kv-cache-memory auto."""
     log = Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
-    with served(list(serve_args), log, startup_timeout, cwd=REPO) as running:
+    with served(with_small_pool(serve_args), log, startup_timeout, cwd=REPO) as running:
         yield running
     if "Traceback" in log.read_text():
         print(f"server log {log} holds a traceback", file=sys.stderr)

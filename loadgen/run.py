@@ -103,7 +103,10 @@ def register(subparsers) -> None:
     p.add_argument("--docs-file", type=Path,
                    help="rag-shuffle, shared-doc: text, one document per line (default ../shared/data/docs/lee_background.cor)")
     p.add_argument("--doc-tokens", type=positive_int, default=1024,
-                   help="shared-doc: document length; rag-shuffle: each document at most (default 1024)")
+                   help="shared-doc, long-doc-qa: document length; rag-shuffle: each document at most (default 1024)")
+    p.add_argument("--documents", type=positive_int, default=12,
+                   help="long-doc-qa: distinct documents, asked once in order, then in shuffled rounds up to "
+                        "--requests (default 12; --requests 36 asks each twice more)")
     p.add_argument("--rag-k", type=positive_int, default=4, help="rag-shuffle: documents per request (default 4)")
     p.add_argument("--rag-pool", type=positive_int, default=16, help="rag-shuffle: documents to draw from (default 16)")
     p.add_argument("--return-fraction", type=fraction, default=0.5,
@@ -140,7 +143,7 @@ def workload_config(args) -> WorkloadConfig:
         seed=args.seed, requests=args.requests, output_tokens=args.output_tokens, max_prompt_tokens=args.max_prompt_tokens,
         chars_per_token=args.chars_per_token, agents=args.agents, turns=args.turns or 12, system_tokens=args.system_tokens,
         tool_output_tokens=args.tool_output_tokens, docs_file=args.docs_file, doc_tokens=args.doc_tokens, rag_k=args.rag_k,
-        rag_pool=args.rag_pool, return_fraction=args.return_fraction, trace_file=args.trace_file,
+        rag_pool=args.rag_pool, documents=args.documents, return_fraction=args.return_fraction, trace_file=args.trace_file,
         trace_block_tokens=args.trace_block_tokens, vocab_size=args.vocab_size, time_scale=args.time_scale,
         sessions=args.sessions or args.concurrency, replay_turns=args.turns or 5, keep_recording=args.keep_recording)
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from reuse_server.server.launcher import ServerStartError, served
+from reuse_server.server.launcher import ServerStartError, served, with_small_pool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 @contextmanager
 def running_server(model_path, log_path: Path, *extra_args: str, served_name: str = "tiny"):
     """`reuse-server serve` on the tiny checkpoint in a subprocess; yields its base URL once /health answers.
-    On the way out: stops it and fails if its log holds a traceback."""
-    args = ["--model", str(model_path), "--served-model-name", served_name, *extra_args]
+    On the way out: stops it and fails if its log holds a traceback. A test that names no pool size gets a
+    small one (with_small_pool), not a share of the machine."""
+    args = with_small_pool(["--model", str(model_path), "--served-model-name", served_name, *extra_args])
     try:
         with served(args, log_path, cwd=REPO) as (url, _):
             yield url

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Callable
 
 from loadgen.errors import UsageError
-from loadgen.workloads import agent_loop, agent_replay, agent_sdk, anthropic_tools, multi_turn, rag_shuffle, shared_doc, trace
+from loadgen.workloads import (agent_loop, agent_replay, agent_sdk, anthropic_tools, long_doc_qa, multi_turn,
+                               rag_shuffle, shared_doc, trace)
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
 
 # Workloads written in advance from the seed: `all` runs these.
@@ -12,6 +13,7 @@ BUILDERS: dict[str, Callable[[str, WorkloadConfig], Workload]] = {
     **{name: agent_loop.build for name in agent_loop.VARIANTS},
     "rag-shuffle": rag_shuffle.build,
     "shared-doc": shared_doc.build,
+    "long-doc-qa": long_doc_qa.build,
     "multi-turn": multi_turn.build,
     "trace": trace.build,
 }

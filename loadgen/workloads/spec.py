@@ -67,6 +67,8 @@ class WorkloadConfig:
     doc_tokens: int = 1024  # shared-doc: the document; rag-shuffle: each retrieved document at most
     rag_k: int = 4
     rag_pool: int = 16
+    # long-doc-qa: distinct documents of doc_tokens each
+    documents: int = 12
     # multi-turn
     return_fraction: float = 0.5
     # trace

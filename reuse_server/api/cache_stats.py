@@ -1,7 +1,8 @@
 """GET /v1/cache/stats: what the KV cache holds, measured: the device pool's blocks and the tokens actually
 in them (a block is allocated whole; the empty slots of partly filled last blocks are waste), cached vs in
 use, each tier below the pool, and the prompt-cache pins (cache_control breakpoints): blocks and tokens pinned,
-per tenant (its digest; "default" without API keys) with its pins' soonest and latest expiry in seconds."""
+per tenant (its digest; "default" without API keys) with its pins' soonest and latest expiry in seconds, and
+how the pool and host tier were sized at start (`sizing`: the figures read and the rule applied, kv/sizing.py)."""
 from __future__ import annotations
 
 import json
@@ -17,4 +18,5 @@ def cache_stats(engine) -> str:
         "pins": snap["pins"],
         "tiers": snap["tiers"],
         "requests": {"running": snap["running"], "waiting": snap["waiting"]},
+        "sizing": engine.sizing.as_dict(),
     })

@@ -138,6 +138,10 @@ class AsyncEngine:
         return dict(self._snapshot)
 
     @property
+    def sizing(self):  # how the KV cache was sized at start (kv/sizing.py KVSizing): fixed, read from any thread
+        return self.engine.sizing
+
+    @property
     def num_requests(self) -> int:
         """Requests in flight: submitted and not yet ended."""
         return len(self._queues)

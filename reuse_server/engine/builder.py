@@ -19,6 +19,7 @@ from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
 from reuse_server.engine.blender import Blender, BlendSettings, layer_inv_freq
+from reuse_server.engine.cache_sizing import size_kv_cache
 from reuse_server.engine.config import EngineConfig, resolve_attention_backend, resolve_dtype
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
@@ -26,6 +27,7 @@ from reuse_server.engine.key_shift_calibration import load_or_calibrate
 from reuse_server.engine.model_names import ModelNames, model_names
 from reuse_server.kv.layered_pool import LayeredKVPool
 from reuse_server.kv.pool import KVPool
+from reuse_server.kv.sizing import KVSizing
 from reuse_server.model.config import ModelConfig
 from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
 from reuse_server.model.weight_dtype import choose as choose_weight_dtype
@@ -53,6 +55,7 @@ class EngineParts:
     attention_backend: str  # --attention-backend, auto resolved (native where its kernel could not serve: torch)
     max_model_len: int
     pool: KVPool
+    sizing: KVSizing  # how the pool and the host tier were sized at start, and from what
     cache: RadixCache
     blocks: BlockManager
     chunk_index: ChunkIndex
@@ -107,9 +110,14 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
     attention_backend = _use_attention_backend(model, config, dtype)
     attention_kernel = attention_backend == "native"
 
-    pool = build_pool(config, mc, kv_dtype, dtype)
+    sizing = size_kv_cache(config, mc, dtype)  # after the weights: what they hold is no longer available
+    pool = build_pool(config, mc, kv_dtype, dtype, sizing.pool_bytes)
     num_blocks = pool.num_blocks
-    tiers = build_tiers(config, pool, identity)
+    sizing.pool_blocks, sizing.pool_tokens = num_blocks, num_blocks * bs
+    if config.num_gpu_blocks:
+        sizing.pool_bytes = pool.nbytes
+    log.info("%s", sizing.log_line())
+    tiers = build_tiers(config, pool, identity, sizing.host_tier_bytes)
     events = None
     if config.kv_events:
         from reuse_server.kv.events import KVEvents
@@ -151,7 +159,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         fingerprint=identity,
         attention_kernel=attention_kernel, attention_backend=attention_backend,
         max_model_len=max_model_len,
-        pool=pool, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
+        pool=pool, sizing=sizing, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
         runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers,
         events=events)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
@@ -184,9 +192,10 @@ def _use_attention_backend(model, config: EngineConfig, dtype: torch.dtype) -> s
     return "torch"
 
 
-def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPool | LayeredKVPool":
-    """The KV pool: one for every layer, or for a hybrid model (full-attention and sliding-window layers) the
-    layered pool, whose window layers keep only what a window needs (config.window_kv_share)."""
+def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype, memory: int) -> "KVPool | LayeredKVPool":
+    """The KV pool in `memory` bytes (or config.num_gpu_blocks): one for every layer, or for a hybrid model
+    (full-attention and sliding-window layers) the layered pool, whose window layers keep only what a window
+    needs (config.window_kv_share)."""
     bs, heads, hd = config.block_size, mc.num_kv_heads, mc.head_dim
     windows = tuple(mc.layer_window(layer) for layer in range(mc.num_layers))
     kinds = {w is None for w in windows}
@@ -195,7 +204,7 @@ def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPoo
             num_blocks = config.num_gpu_blocks
             num_window = config.num_window_blocks or max(2, int(num_blocks * config.window_kv_share))
         else:
-            num_blocks, num_window = LayeredKVPool.split_memory(config.kv_cache_memory, windows, bs, heads, hd,
+            num_blocks, num_window = LayeredKVPool.split_memory(memory, windows, bs, heads, hd,
                                                                 kv_dtype, config.window_kv_share)
             if config.num_window_blocks:
                 num_window = config.num_window_blocks
@@ -215,7 +224,7 @@ def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPoo
     if config.num_gpu_blocks:
         num_blocks = config.num_gpu_blocks
     else:
-        num_blocks = config.kv_cache_memory // KVPool.bytes_per_block(mc.num_layers, bs, heads, hd, kv_dtype)
+        num_blocks = memory // KVPool.bytes_per_block(mc.num_layers, bs, heads, hd, kv_dtype)
     if num_blocks < 2:
         raise ValueError(f"the KV cache holds only {num_blocks} blocks; give it more memory")
     return KVPool(mc.num_layers, num_blocks, bs, heads, hd, kv_dtype, config.device, read_dtype=dtype)
@@ -224,9 +233,9 @@ def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype) -> "KVPoo
 MIN_WRITE_QUEUE_BYTES = 256 << 20  # a disk or Redis writer's queue, whatever the step
 
 
-def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) -> KVTiers | None:
-    """The tiers the config asks for below the pool (None: none)."""
-    if not (config.cpu_cache_size or config.disk_cache_dir or config.redis_url):
+def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint, host_bytes: int) -> KVTiers | None:
+    """The tiers the config asks for below the pool, the host tier in host_bytes (None: none)."""
+    if not (host_bytes or config.disk_cache_dir or config.redis_url):
         return None
     from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
 
@@ -239,7 +248,7 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint) 
     # A writer's queue takes the blocks of two full steps: a prompt as long as a step is written through
     # whole even while the step before it is still being written (past the bound, blocks are dropped)
     queue = max(MIN_WRITE_QUEUE_BYTES, 2 * config.max_num_batched_tokens // pool.block_size * layout.nbytes)
-    host = HostTier(config.cpu_cache_size) if config.cpu_cache_size else None
+    host = HostTier(host_bytes) if host_bytes else None
     from reuse_server.kv.tiers.reads import read_buffer  # pinned for a CUDA pool: its loads copy asynchronously
 
     disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reuse_server.kv import layout as kv_layout  # torch-free
+from reuse_server.kv.sizing import AUTO, CPU_SHARE, GPU_MEMORY_UTILIZATION, Auto  # torch-free
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -59,7 +60,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    # bytes for the KV pool; AUTO: sized at start from the machine (kv/sizing.py: a share of the RAM available
+    # on the CPU, --gpu-memory-utilization of the card on CUDA)
+    kv_cache_memory: int | Auto = AUTO
+    kv_cache_share: float = CPU_SHARE  # AUTO on the CPU: the share of the memory available at start (less a reserve)
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # AUTO on CUDA: vLLM's meaning, this server's share of the card
     # A hybrid model (sliding-window layers beside full-attention ones): the window layers' KV in a pool of its
     # own, for this share of the block ids (kv/layered_pool.py); None: one pool holds every layer of every block.
     window_kv_share: float | None = 0.25
@@ -78,8 +83,10 @@ class EngineConfig:
     # A quarter: a tenant's pinned system prompt, tools and conversation stay put while three quarters of the
     # pool remain for running requests and everyone else's ordinary cache (kv/pins.py, README).
     max_pinned_share: float = 0.25
-    # KV tiers below the device pool (all off by default)
-    cpu_cache_size: int = 0  # bytes of host RAM for blocks evicted from the pool
+    # KV tiers below the device pool (disk and Redis off by default)
+    # bytes of host RAM for blocks evicted from the pool; AUTO: off on the CPU (the same RAM: the pool takes it
+    # all), the CPU rule's share of host RAM on CUDA (kv/sizing.py)
+    cpu_cache_size: int | Auto = AUTO
     disk_cache_dir: str | None = None  # folder for blocks kept on disk across restarts
     disk_cache_size: int = 10 * 1000**3  # bytes of disk for them
     disk_write_policy: str = "through"  # through: every new full block; back: what host RAM evicts
@@ -145,8 +152,12 @@ class EngineConfig:
         if names is not None and (not names or any(not name.strip() for name in names)):
             problems.append("served_model_name must be one or more non-empty names")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "blend_min_tokens"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, Auto) and value < 1:
+                problems.append(f"{name} must be at least 1, got {value}")
+        for name in ("kv_cache_share", "gpu_memory_utilization"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                problems.append(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.blend_chunk_tokens < 0:
             problems.append(f"blend_chunk_tokens must be 0 (off) or more, got {self.blend_chunk_tokens}")
         if not 0.0 <= self.max_pinned_share <= 1.0:
@@ -170,7 +181,8 @@ class EngineConfig:
             problems.append(f"unknown tier fetch setting {self.tier_fetch!r}; choose auto or always")
         if self.disk_write_policy not in ("through", "back"):
             problems.append(f"unknown disk write policy {self.disk_write_policy!r}; choose through or back")
-        if self.cpu_cache_size < 0 or self.disk_cache_size < 1 or self.redis_timeout <= 0:
+        negative_host = not isinstance(self.cpu_cache_size, Auto) and self.cpu_cache_size < 0
+        if negative_host or self.disk_cache_size < 1 or self.redis_timeout <= 0:
             problems.append("tier sizes and the Redis timeout must be positive")
         if self.kv_events_replay and not self.kv_events:
             problems.append("kv_events_replay needs kv_events (the endpoint the events are published on)")

@@ -40,6 +40,7 @@ class LLMEngine:
         self.attention_backend = parts.attention_backend
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
+        self.sizing = parts.sizing
         self.cache = parts.cache
         self.blocks = parts.blocks
         self.chunk_index = parts.chunk_index

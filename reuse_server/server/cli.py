@@ -14,6 +14,7 @@ apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.p
 from reuse_server.engine.config import ACTIVATION_DTYPES, ATTENTION_BACKENDS, EngineConfig  # noqa: E402
 from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT  # noqa: E402  (torch-free)
+from reuse_server.kv.sizing import AUTO, CPU_CEILING, CPU_FLOOR, CPU_RESERVE, Auto  # noqa: E402  (torch-free)
 
 # How long a thread waiting for the GIL lets the holder run before it asks for it (Python's default: 5 ms).
 # The engine thread comes back from each native call needing the GIL, often while the event loop holds it to
@@ -36,6 +37,23 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
     return size
+
+
+def size_or_auto(text: str) -> int | Auto:
+    """'auto' (sized at start from the machine: kv/sizing.py) or a size, as parse_size."""
+    return AUTO if text.strip().lower() == "auto" else parse_size(text)
+
+
+def host_tier_size(text: str) -> int | Auto:
+    """As size_or_auto, and 0 turns the host tier off."""
+    return 0 if re.fullmatch(r"\s*0+\s*[a-zA-Z]*\s*", text) else size_or_auto(text)
+
+
+def share(text: str) -> float:
+    value = _number(text)
+    if not 0.0 < value <= 1.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]")
+    return value
 
 
 def int_at_least(minimum: int):
@@ -210,8 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per KV cache block (a power of two, 1..512)")
     serve.add_argument("--num-gpu-blocks", type=positive_int, default=None,
                        help="exact number of KV blocks in the pool; overrides --kv-cache-memory (default: sized by it)")
-    serve.add_argument("--kv-cache-memory", type=parse_size, default="1GiB",
-                       help="memory for the KV pool: e.g. 1GiB, 512MiB, or plain bytes (default: 1GiB)")
+    serve.add_argument("--kv-cache-memory", type=size_or_auto, default=AUTO,
+                       help="memory for the KV pool: e.g. 8GiB, 512MiB, plain bytes, or auto: on the CPU "
+                            "--kv-cache-share of the RAM available at start (cgroup limits respected) less a "
+                            f"{CPU_RESERVE >> 30} GiB reserve, at least {CPU_FLOOR >> 20} MiB and at most "
+                            f"{CPU_CEILING >> 30} GiB; on CUDA what --gpu-memory-utilization of the card leaves "
+                            "after the weights and a step's activations. Logged at start and shown in "
+                            "/v1/cache/stats (sizing)")
+    serve.add_argument("--kv-cache-share", type=share, default=defaults.kv_cache_share, metavar="F",
+                       help="--kv-cache-memory auto on the CPU: the share of the memory available at start (less "
+                            "the reserve) the KV cache takes; the rest is the machine's")
+    serve.add_argument("--gpu-memory-utilization", type=share, default=defaults.gpu_memory_utilization,
+                       metavar="F", help="--kv-cache-memory auto on CUDA, as vLLM's flag: the share of the card's "
+                                         "memory this server may use (weights, activations and the KV pool)")
     serve.add_argument("--window-kv-share", type=float, default=defaults.window_kv_share,
                        help="hybrid models (Gemma 3): keep the sliding-window layers' KV in a pool of its own, with "
                             "room for this share of the blocks (only the last window of each sequence, and cached "
@@ -244,9 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default: {defaults.max_pinned_share}; 0 pins nothing)")
     tiers = serve.add_argument_group(
         "KV tiers", "Where blocks go when the device pool evicts them, and where a prompt's missing blocks are "
-        "looked for (host RAM, then disk, then Redis). Off unless given.")
-    tiers.add_argument("--cpu-cache-size", type=parse_size, default=0, metavar="SIZE",
-                       help="host RAM for blocks evicted from the device pool, e.g. 4GB (default: off)")
+        "looked for (host RAM, then disk, then Redis). Host RAM: see --cpu-cache-size; disk and Redis: off "
+        "unless given.")
+    tiers.add_argument("--cpu-cache-size", type=host_tier_size, default=AUTO, metavar="SIZE",
+                       help="host RAM for blocks evicted from the device pool, e.g. 4GB, 0 (off), or auto: off on "
+                            "the CPU, where it would be a second copy in the same RAM (the pool takes it all), "
+                            "and the --kv-cache-memory CPU rule's share of host RAM on CUDA")
     tiers.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                        help="keep blocks in files under DIR, surviving restarts (default: off)")
     tiers.add_argument("--disk-cache-size", type=parse_size, default="10GB", metavar="SIZE",
@@ -402,7 +434,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
         cpu_matmul=args.cpu_matmul, attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-        kv_cache_memory=args.kv_cache_memory, window_kv_share=args.window_kv_share or None,
+        kv_cache_memory=args.kv_cache_memory, kv_cache_share=args.kv_cache_share,
+        gpu_memory_utilization=args.gpu_memory_utilization, window_kv_share=args.window_kv_share or None,
         num_window_blocks=args.num_window_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, max_tokens=args.max_tokens, enable_prefix_cache=not args.no_prefix_cache,

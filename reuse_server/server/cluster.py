@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reuse_server.server.launcher import ServerStartError, free_port, own_session, redis_process, served
+from reuse_server.server.replica_sizing import divided
 
 ROUTERS = ("smg", "vllm-router")
 POLICIES = {"smg": ("round_robin", "power_of_two", "cache_aware", "random"),
@@ -103,7 +104,11 @@ def replica_set(count: int, serve_args: list[str], log_dir: Path, redis_url: str
                 startup_timeout: float = 300.0, kv_events: bool = False) -> Iterator[list[Replica]]:
     """`count` servers with the same flags (and --redis-url), each on a free loopback port; yields them once
     each answers /health. kv_events: each publishes its KV events too (on free loopback ports). On the way
-    out each gets SIGTERM and drains."""
+    out each gets SIGTERM and drains. Flags that size no pool get an equal part of the machine each
+    (replica_sizing.py), printed."""
+    serve_args, part = divided(serve_args, count)
+    if part:
+        print(f"KV cache: {part}", flush=True)
     extra = ["--redis-url", redis_url] if redis_url else []
     with ExitStack() as stack:
         replicas = []

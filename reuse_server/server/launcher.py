@@ -24,6 +24,23 @@ def own_session() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# The flags that size the KV pool; without one a server sizes it from the machine (kv/sizing.py)
+POOL_FLAGS = ("--kv-cache-memory", "--num-gpu-blocks")
+# The pool of a server a test or benchmark starts without saying: the default before the pool was sized to the
+# machine, so that several such servers at once (CI: 2 cores, maybe 8 GiB) do not each take a share of it.
+SMALL_POOL = "1GiB"
+
+
+def names_pool(serve_args: list[str]) -> bool:
+    """Whether serve_args size the KV pool themselves."""
+    return any(arg.split("=", 1)[0] in POOL_FLAGS for arg in serve_args)
+
+
+def with_small_pool(serve_args: list[str]) -> list[str]:
+    """serve_args, with --kv-cache-memory SMALL_POOL where they name no pool size."""
+    return list(serve_args) if names_pool(serve_args) else [*serve_args, "--kv-cache-memory", SMALL_POOL]
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not answer /health in time; the message ends with its log's tail."""
 

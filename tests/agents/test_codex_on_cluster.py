@@ -35,7 +35,7 @@ import pytest
 from coding_agents import CodexCLI, codex_events
 from loadgen.recording_proxy import Exchange, recording_proxy
 from reuse_server.server.cluster import stop
-from reuse_server.server.launcher import free_port
+from reuse_server.server.launcher import SMALL_POOL, free_port
 from server_process import REPO, metric, read_until, scrape
 from tiny_checkpoint import write_tiny_checkpoint
 
@@ -73,7 +73,7 @@ def cluster_command(checkpoint: Path, log_dir: Path) -> Iterator[tuple[str, list
         [sys.executable, "-m", "reuse_server.server.cli", "cluster", "--router", "vllm-router", "--replicas", "2",
          "--port", str(port), "--log-dir", str(log_dir), "--", "--model", str(checkpoint),
          "--served-model-name", "tiny", "--max-model-len", str(CONTEXT),
-         "--no-blend-key-shift", "--log-level", "info"],
+         "--no-blend-key-shift", "--log-level", "info", "--kv-cache-memory", SMALL_POOL],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         text = read_until(proc, "ready")

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--weight-dtype", "--cpu-matmul",
          "--cpu-attention", "--attention-backend",
-         "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+         "--block-size", "--num-gpu-blocks", "--kv-cache-memory", "--kv-cache-share", "--gpu-memory-utilization",
+         "--cpu-cache-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
          "--max-tokens",
          "--no-prefix-cache", "--hash", "--eviction-policy", "--log-level", "--blend", "--no-blend",
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
@@ -30,7 +31,7 @@ def test_help_documents_every_flag_with_its_default(capsys):
     for flag in FLAGS:
         assert flag in text, flag
     for shown in ["(default: smollm2)", "(default: 127.0.0.1)", "(default: 8000)", "(default: 16)",
-                  "(default: 1GiB)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
+                  "(default: auto)", "(default: 0.5)", "(default: 0.9)", "(default: xxh3_128)", "(default: lru)", "(default: 0)", "(default: info)",
                   "(default: off)", "(default: 0.15)", "(default: 1)", "(default: kv)", "(default: 32)",
                   "(default: none", "(default: native)", "(default: 256)", "(default: 30.0)", "(default: 60.0)",
                   "(default: none, the routes are open)"]:
@@ -41,6 +42,20 @@ def test_help_documents_every_flag_with_its_default(capsys):
 
 def test_defaults_match_engine_config():
     assert engine_config(build_parser().parse_args(["serve"])) == EngineConfig(model="smollm2")
+
+
+def test_kv_sizes_are_auto_unless_given():
+    """auto (the default) reaches the engine as the AUTO type; a size, and 0 for the host tier, as bytes."""
+    from reuse_server.kv.sizing import AUTO
+
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    assert defaults.kv_cache_memory is AUTO and defaults.cpu_cache_size is AUTO
+    given = engine_config(build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--cpu-cache-size", "0",
+                                                     "--kv-cache-share", "0.25", "--gpu-memory-utilization", "0.8"]))
+    assert (given.kv_cache_memory, given.cpu_cache_size) == (2 << 30, 0)
+    assert (given.kv_cache_share, given.gpu_memory_utilization) == (0.25, 0.8)
+    assert engine_config(build_parser().parse_args(["serve", "--kv-cache-memory", "AUTO"])).kv_cache_memory is AUTO
+    assert engine_config(build_parser().parse_args(["serve", "--cpu-cache-size", "4GB"])).cpu_cache_size == 4 * 10**9
 
 
 def test_flags_reach_engine_config():
@@ -85,6 +100,11 @@ def test_parse_size(text, size):
     (["--block-size", "0"], "at least 1"),
     (["--kv-cache-memory", "lots"], "not a size"),
     (["--kv-cache-memory", "0"], "positive"),
+    (["--kv-cache-memory", "automatic"], "not a size"),
+    (["--cpu-cache-size", "lots"], "not a size"),
+    (["--kv-cache-share", "0"], "not in (0, 1]"),
+    (["--kv-cache-share", "1.5"], "not in (0, 1]"),
+    (["--gpu-memory-utilization", "nan"], "not in (0, 1]"),
     (["--port", "70000"], "TCP port"),
     (["--hash", "md5"], "invalid choice"),
     (["--eviction-policy", "fifo"], "invalid choice"),
