@@ -10,12 +10,15 @@ context holds their prompts: this server with its defaults, with the cache off, 
    Targets, one server at a time, each with --max-tokens (llama-server's -n) as the only cap on an answer
    (Codex sends none, and a base model may never stop):
    - `reuse`: `reuse-server serve --model gemma3-270m` with its defaults;
-   - `reuse-cache-off`: the same with `--no-prefix-cache`;
+   - `reuse-cache-off`: the same with `--no-prefix-cache`, for --cache-off-turns turns (2: every turn
+     recomputes its whole prompt, which grows ~1% a turn, so turn 2 stands for the later ones);
    - `llama-server`: llama.cpp's server on the same GGUF with its defaults (`cache_prompt` on, its slots);
      Codex through /v1/responses, Claude Code through /v1/messages. A request it refuses is recorded as such.
 2. Replay. `reuse-loadgen run --workload agent-replay-codex|agent-replay-claude-code` against a fresh server
-   with defaults, at each of --replay-sessions concurrent sessions (each level its own cache_salt, so no level
-   finds another's prefix): hit rate and TTFT per step.
+   with defaults, at each of --replay-sessions concurrent sessions, one level after another, with no cache_salt:
+   each level's sessions are new users (ids and folders of their own, a seed per level) of an agent whose
+   instructions and tools the server has seen (its recorded session), as a server used by a team finds them:
+   hit rate and TTFT per step.
 
 Rows (JSON, one a line): `request` (one per generation request of a session), `turn` (how each agent
 invocation ended), `session` (per agent and target: first-request TTFT, later turns' least cached share and
@@ -151,14 +154,14 @@ def outcome(agent: str, run: AgentRun) -> dict:
     return dict(exit_code=run.returncode, agent_error=result.api_error, hit_output_cap=result.hit_output_cap)
 
 
-def session(agent: str, target_name: str, url: str, model: str, window: int, args) -> list[dict]:
-    """One --turns session of `agent` against the target at `url`; returns its request rows."""
+def session(agent: str, target_name: str, url: str, model: str, window: int, turns: int, args) -> list[dict]:
+    """One `turns`-turn session of `agent` against the target at `url`; returns its request rows."""
     rows = []
     with tempfile.TemporaryDirectory(prefix=f"bench-{agent}-") as tmp, recording_proxy(url) as (proxy_url, proxy):
         root = Path(tmp)
         scratch_repo(root / "work")
         runner = AGENTS[agent].for_server(root / "home", root / "work", proxy_url, model, window, args.answer_cap)
-        for turn in range(1, args.turns + 1):
+        for turn in range(1, turns + 1):
             base = dict(agent=agent, target=target_name, turn=turn)
             try:
                 run = runner.turn(proxy, task(turn - 1), first=turn == 1, timeout=TURN_TIMEOUT_S)
@@ -204,7 +207,7 @@ def replay(agent: str, levels: list[int], args) -> None:
             out = Path(tempfile.mkdtemp(prefix=f"bench-{workload}-{sessions}-"))
             code = cli.main(["run", "--server", url, "--workload", workload, "--out", str(out),
                              "--concurrency", str(sessions), "--sessions", str(sessions), "--turns", str(args.turns),
-                             "--seed", str(sessions), "--output-tokens", str(args.answer_cap), "--warmup", "0",
+                             "--seed", str(sessions), "--cache-salt", "none", "--output-tokens", str(args.answer_cap), "--warmup", "0",
                              "--duration", "7200", "--request-timeout", "3600", "--no-plots", "--no-progress"])
             report = out / "report.json"
             if not report.exists():
@@ -224,6 +227,9 @@ def replay(agent: str, levels: list[int], args) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--turns", type=int, default=5, help="user turns per session (and per recorded replay session)")
+    ap.add_argument("--cache-off-turns", type=int, default=2,
+                    help="turns of the cache-off sessions: each recomputes its whole prompt, which grows by ~1%% a "
+                         "turn, so turn 2 stands for every later one (a cold 20k-token prefill is minutes here)")
     ap.add_argument("--agents", default=",".join(AGENTS))
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--replay-sessions", default="1,4,8", help="concurrent replayed sessions per level ('' skips)")
@@ -238,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
             emit(kind="skipped", target=target_name, reason="no llama-server binary (--llama-server PATH)")
             continue
         with target(target_name, args) as (url, model, window):
+            turns = args.cache_off_turns if target_name == "reuse-cache-off" else args.turns
             for agent in agents:
-                rows = session(agent, target_name, url, model, window, args)
+                rows = session(agent, target_name, url, model, window, turns, args)
                 summaries[agent, target_name] = summary(agent, target_name, rows)
                 emit(kind="session", **summaries[agent, target_name])
     for agent in agents:
