@@ -45,7 +45,7 @@ import httpx
 
 from benchmarks.bench_ttft import server_process
 from loadgen import cli
-from loadgen.coding_agents import AgentError, AgentRun, ClaudeCode, ClaudeResult, CodexCLI, CodingAgent, codex_events
+from loadgen.coding_agents import REPO, AgentError, AgentRun, ClaudeCode, ClaudeResult, CodexCLI, CodingAgent, codex_events
 from loadgen.http_recorder import sse_payloads
 from loadgen.recording_proxy import Exchange, recording_proxy
 from loadgen.workloads.agent_replay import TURN_TIMEOUT_S, task
@@ -170,6 +170,8 @@ def session(agent: str, target_name: str, url: str, model: str, window: int, tur
                 continue
             emit(kind="turn", **base, requests=len(run.generations()), **outcome(agent, run))
             for i, exchange in enumerate(run.generations(), 1):
+                if args.keep_requests is not None:  # to diff what changed between two requests
+                    (args.keep_requests / f"{agent}-{target_name}-t{turn}-r{i}.json").write_bytes(exchange.request_body)
                 row = dict(kind="request", **base, request=i, **request_row(exchange))
                 emit(**row)
                 rows.append(row)
@@ -236,7 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--answer-cap", type=int, default=64,
                     help="tokens per answer at most (--max-tokens, llama-server's -n, CLAUDE_CODE_MAX_OUTPUT_TOKENS)")
     ap.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama.cpp's server binary")
+    ap.add_argument("--keep-requests", type=Path, metavar="DIR",
+                    help="also write every request the agents sent to DIR (outside the checkout: the agents' "
+                         "prompts are their owners' text), one JSON file each")
     args = ap.parse_args(argv)
+    if args.keep_requests is not None:
+        if args.keep_requests.resolve().is_relative_to(REPO):
+            ap.error("--keep-requests: inside the checkout; the agents' prompts are not ours to commit")
+        args.keep_requests.mkdir(parents=True, exist_ok=True)
     agents = [a for a in args.agents.split(",") if a]
     summaries: dict[tuple[str, str], dict] = {}
     for target_name in [t for t in args.targets.split(",") if t]:
