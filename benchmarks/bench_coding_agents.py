@@ -21,9 +21,9 @@ context holds their prompts: this server with its defaults, with the cache off, 
    hit rate and TTFT per step.
 
 Rows (JSON, one a line): `request` (one per generation request of a session), `turn` (how each agent
-invocation ended), `session` (per agent and target: first-request TTFT, later turns' least cached share and
-median TTFT), `versus_cache_off` (the goals: every later turn >= 95% cached, its TTFT >= 20x sooner than with
-the cache off), `replay_step`, `replay_total`; each with the 1-minute load average when it was taken.
+invocation ended), `session` (per agent and target: the first request's TTFT, the later requests' least
+cached share and median TTFT), `versus_cache_off` (the goals: every later request >= 95% cached, its TTFT >= 20x
+sooner than with the cache off), `replay_step`, `replay_total`; each with the 1-minute load average when it was taken.
 
     .venv/bin/python -m benchmarks.bench_coding_agents [--turns 5] [--agents codex,claude-code]
         [--targets reuse,reuse-cache-off,llama-server] [--replay-sessions 1,4,8] [--llama-server PATH]
@@ -179,9 +179,11 @@ def session(agent: str, target_name: str, url: str, model: str, window: int, tur
 
 
 def summary(agent: str, target_name: str, rows: list[dict]) -> dict:
+    """The session's first request (cold) against every later one: each resends the whole context, whether it
+    opens a turn or continues one (Claude Code asks again when an answer reaches its output cap)."""
     ok = [r for r in rows if r["status"] == 200]
-    first = [r for r in ok if r["turn"] == 1]
-    later = [r for r in ok if r["turn"] > 1 and r["ttft_ms"] is not None]
+    first = ok[:1]
+    later = [r for r in ok[1:] if r["ttft_ms"] is not None]
     return dict(agent=agent, target=target_name, requests=len(rows), refused=len(rows) - len(ok),
                 first_ttft_ms=first[0]["ttft_ms"] if first else None,
                 first_prompt_tokens=first[0]["prompt_tokens"] if first else None,
