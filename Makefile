@@ -82,7 +82,7 @@ $(AIPERF_STAMP):
 	$(AIPERF_VENV)/bin/python -m pip install --quiet aiperf==0.13.0
 	touch $(AIPERF_STAMP)
 
-bench: $(STAMP) $(AIPERF_STAMP)
+bench: $(STAMP) $(AIPERF_STAMP) $(AGENTS_STAMP)
 	$(PY) -m benchmarks.run_all
 
 # What this server does on a CUDA device, as one JSON (benchmarks/gpu_check.py; when and how: DEVELOPERS.md).

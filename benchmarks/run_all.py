@@ -40,6 +40,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "bench_blend": ["--cases", "5", "--ratios", "0,0.15"],
     "bench_structured": ["--repeats", "2", "--http-repeats", "1", "--concurrency", "2"],
     "bench_agents": ["--tasks", "2", "--steps", "3"],
+    # the real Codex CLI and Claude Code (`make agents`) on Gemma 3 270M; llama-server where it is on PATH
+    "bench_coding_agents": ["--turns", "2", "--replay-sessions", "1"],
     "bench_decode": ["--tokens", "32", "--repeats", "1"],
     "bench_compile": ["--steps", "16", "--rounds", "1", "--weights", "fp32"],
     "bench_weights": ["--cases", "4", "--greedy-prompts", "2", "--greedy-tokens", "16", "--decode-tokens", "32",

@@ -144,8 +144,9 @@ def render_chat_chunks(
     not depend on its role or on what the template writes around it; framing is a few tokens
     and is recomputed. How: the template is rendered once with a unique sentinel in place of
     every content part, the rendering is cut at the sentinels, and the result is checked
-    against the real rendering. A template that transforms content (trim, escaping, ...)
-    fails that check; the whole prompt then becomes one non-reusable chunk (logged).
+    against the real rendering. Content a template trims is taken as trimmed (its chunk is
+    the text the template wrote); a template that transforms content otherwise (escaping,
+    ...) fails that check, and the whole prompt then becomes one non-reusable chunk (logged).
     Empty content produces no chunk. The concatenated chunk texts always equal the
     template's rendering of ``flatten_messages(messages, part_separator)``.
     """
@@ -181,18 +182,39 @@ def render_chat_chunks(
     pieces = re.split(f"(\ue000{nonce}:[0-9]+:[0-9]+\ue001)", render(sentinel_msgs))
 
     # pieces alternate framing, sentinel, framing, ... ; every sentinel must appear once, in order.
-    found = pieces[1::2]
-    spliced = "".join(sentinels.get(p, p) if k % 2 else p for k, p in enumerate(pieces))
-    if found != list(sentinels) or spliced != real:
+    spliced = _splice(pieces, sentinels, real) if pieces[1::2] == list(sentinels) else None
+    if spliced is None:
         log.warning("chat template does not render message content verbatim; prompt not chunked")
         return [Chunk(real, encode(tokenizer, real), False)]
+    return [Chunk(text, encode(tokenizer, text), reusable) for text, reusable in spliced if text]
 
-    chunks = []
+
+def _splice(pieces: list[str], sentinels: dict[str, str], real: str) -> list[tuple[str, bool]] | None:
+    """The real rendering cut where the sentinel rendering is cut: (text, is content) pieces, each content as
+    the template wrote it, verbatim or without the surrounding whitespace a `trim` took off (Gemma 3's template
+    trims every message but a first system one: a later message ending in a newline, as Claude Code's
+    reminders do, would otherwise leave the whole prompt one chunk, tokenized across what were chunk
+    boundaries the turn before, and its cache hit would end at the first of them). None when the template
+    changed content in any other way."""
+    out: list[tuple[str, bool]] = []
+    at = 0
     for k, piece in enumerate(pieces):
-        text, reusable = (sentinels[piece], True) if k % 2 else (piece, False)
-        if text:
-            chunks.append(Chunk(text, encode(tokenizer, text), reusable))
-    return chunks
+        if k % 2 == 0:  # framing: as rendered around the sentinels
+            if not real.startswith(piece, at):
+                return None
+            out.append((piece, False))
+            at += len(piece)
+            continue
+        text = sentinels[piece]
+        after = pieces[k + 1] if k + 1 < len(pieces) else ""
+        for written in dict.fromkeys((text, text.strip(), text.lstrip(), text.rstrip())):
+            if real.startswith(written, at) and real.startswith(after, at + len(written)):
+                out.append((written, True))
+                at += len(written)
+                break
+        else:
+            return None
+    return out if at == len(real) else None
 
 
 def chat_opening(tokenizer: Any, part_separator: str = PART_SEPARATOR) -> list[int]:

@@ -47,7 +47,7 @@ def _usage(data: dict) -> SimpleNamespace:
                            prompt_tokens_details=SimpleNamespace(cached_tokens=read))
 
 
-def _carries_output(data: dict) -> bool:
+def carries_output(data: dict) -> bool:
     """Whether a streamed event holds the first text or tool call, in any of the three dialects."""
     for choice in data.get("choices") or ():  # chat completions
         delta = choice.get("delta") or {}
@@ -153,7 +153,7 @@ def recording_transport(h=httpx):
                 message = error.get("message", error) if isinstance(error, dict) else error
                 self._result.error = f"in-stream error: {message}"[:300]
                 return
-            if self._result.ttft_s is None and _carries_output(data):
+            if self._result.ttft_s is None and carries_output(data):
                 self._result.ttft_s = time.perf_counter() - self._sent
             self._usage = _stream_usage(data, self._usage)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from loadgen.http_recorder import GENERATION_PATHS, response_usage, usage_in_chat_terms
+from loadgen.http_recorder import GENERATION_PATHS, carries_output, response_usage, usage_in_chat_terms
 
 # Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, not to the exchange; content-length and
 # content-encoding are dropped because the body is passed on decoded and re-framed by the ASGI server.
@@ -37,6 +37,8 @@ class Exchange:
     status: int | None = None
     response_headers: dict[str, str] | None = None
     response_body: bytes = b""
+    ttft_s: float | None = None  # request sent upstream -> first event with text or a tool call (None: none came)
+    e2e_s: float | None = None  # request sent upstream -> the response's last byte
 
     @property
     def request_json(self) -> dict | None:
@@ -63,6 +65,33 @@ class Exchange:
     def usage_in_chat_terms(self):
         usage = self.usage()
         return None if usage is None else usage_in_chat_terms(usage)
+
+
+class FirstOutputClock:
+    """Reads a server-sent-event stream as its chunks pass and notes when the first event carrying text or a
+    tool call has arrived whole (as the client can read it), in seconds after `sent`."""
+
+    def __init__(self, sent: float):
+        self.sent = sent
+        self.ttft_s: float | None = None
+        self._pending = b""
+
+    def read(self, chunk: bytes) -> None:
+        if self.ttft_s is not None:
+            return
+        self._pending += chunk.replace(b"\r\n", b"\n")
+        while self.ttft_s is None and b"\n\n" in self._pending:
+            event, self._pending = self._pending.split(b"\n\n", 1)
+            for line in event.splitlines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                try:
+                    data = json.loads(line[len(b"data:"):])
+                except ValueError:
+                    continue
+                if isinstance(data, dict) and carries_output(data):
+                    self.ttft_s = time.perf_counter() - self.sent
+                    return
 
 
 class RecordingProxy:
@@ -120,6 +149,7 @@ class RecordingProxy:
         chunks: list[bytes] = []
         try:
             request = self._client.build_request(scope["method"], self.upstream + path, headers=headers, content=body)
+            clock = FirstOutputClock(time.perf_counter())
             try:
                 response = await self._client.send(request, stream=True)
             except httpx.TransportError as exc:
@@ -130,15 +160,21 @@ class RecordingProxy:
                 return
             exchange.status = response.status_code
             exchange.response_headers = dict(response.headers)
+            streamed = response.headers.get("content-type", "").startswith("text/event-stream")
             try:
                 await send({"type": "http.response.start", "status": response.status_code,
                             "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in _NOT_FORWARDED]})
                 async for chunk in response.aiter_bytes():
                     chunks.append(chunk)
+                    if streamed:
+                        clock.read(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
             finally:
                 await response.aclose()
+                exchange.e2e_s = time.perf_counter() - clock.sent
+                # a whole (unstreamed) answer reaches the client with its last byte
+                exchange.ttft_s = clock.ttft_s if streamed else exchange.e2e_s
         finally:
             exchange.response_body = exchange.response_body or b"".join(chunks)
             with self._lock:

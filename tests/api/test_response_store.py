@@ -74,11 +74,26 @@ def test_a_continuation_is_the_stored_tokens_then_the_new_turn(tokenizer, ended_
     assert [tokenizer.decode(ids[s:s + n]) for s, n in spans[len(prompt.chunk_spans):]] == ["And a radix tree?"]
 
 
+TEMPLATE_WITH = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | FILTER }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def test_a_template_that_changes_content_cannot_be_continued(tokenizer):
-    """A template that trims content does not render it verbatim: no continuation (the whole conversation
+    """A template that rewrites content does not render it verbatim: no continuation (the whole conversation
     is rendered again instead)."""
-    trimming = build_tokenizer()
-    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n"
-                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    upper = build_tokenizer()
+    upper.chat_template = TEMPLATE_WITH.replace("FILTER", "upper")
     prefix = PromptChunks([1, 2, 3], [])
-    assert render_continuation(trimming, [ChatMessage(role="user", content=" padded ")], NO_TOOLS, prefix, []) is None
+    assert render_continuation(upper, [ChatMessage(role="user", content="padded")], NO_TOOLS, prefix, []) is None
+
+
+def test_a_template_that_trims_content_is_continued_with_the_trimmed_text(tokenizer):
+    """Trimming (Gemma 3's template trims every message but a first system one) is how the template writes a
+    message: the continuation holds the new message as trimmed, between the template's framing."""
+    trimming = build_tokenizer()
+    trimming.chat_template = TEMPLATE_WITH.replace("FILTER", "trim")
+    prefix = PromptChunks([1, 2, 3], [])
+    ids, spans = render_continuation(trimming, [ChatMessage(role="user", content=" padded\n")], NO_TOOLS, prefix, [])
+    assert ids[:3] == [1, 2, 3]
+    assert trimming.decode(ids[3:]) == "<|im_end|>\n<|im_start|>user\npadded<|im_end|>\n<|im_start|>assistant\n"
+    assert [trimming.decode(ids[s:s + n]) for s, n in spans] == ["padded"]

@@ -210,14 +210,46 @@ TRIM_TEMPLATE = (
 )
 
 
-def test_template_that_alters_content_falls_back_to_one_chunk(tiny_tok):
-    # Content the template renders verbatim: still chunked.
+def test_content_a_template_trims_is_chunked_as_written(tiny_tok):
+    # Content the template renders verbatim: chunked.
     clean = [{"role": "user", "content": PASSAGE}]
     chunks = render_chat_chunks(tiny_tok, clean, chat_template=TRIM_TEMPLATE)
     assert [c.text for c in chunks if c.reusable] == [PASSAGE]
-    # Content the template trims: the sentinel rendering no longer matches the real one.
-    padded = [{"role": "user", "content": "  " + PASSAGE + "  "}]
+    # Content the template trims: still its own chunk, as the template wrote it.
+    padded = [{"role": "user", "content": "  " + PASSAGE + "\n"}, {"role": "user", "content": "\n" + OTHER}]
     chunks = render_chat_chunks(tiny_tok, padded, chat_template=TRIM_TEMPLATE)
     rendered = tiny_tok.apply_chat_template(padded, tokenize=False, add_generation_prompt=True,
                                             chat_template=TRIM_TEMPLATE)
+    assert [c.text for c in chunks if c.reusable] == [PASSAGE, OTHER]
+    assert "".join(c.text for c in chunks) == rendered
+
+
+UPPER_TEMPLATE = TRIM_TEMPLATE.replace("| trim", "| upper")
+
+
+def test_template_that_alters_content_otherwise_falls_back_to_one_chunk(tiny_tok):
+    messages = [{"role": "user", "content": PASSAGE}]
+    chunks = render_chat_chunks(tiny_tok, messages, chat_template=UPPER_TEMPLATE)
+    rendered = tiny_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            chat_template=UPPER_TEMPLATE)
     assert chunks == [Chunk(rendered, encode(tiny_tok, rendered), False)]
+
+
+def test_a_later_message_gemma_trims_leaves_the_earlier_prompt_tokens_as_they_were(tiny_tok):
+    """Claude Code adds a system reminder ending in a newline at the end of some turns; Gemma 3's template trims
+    it. The prompt's tokens before it must be those of the turn before, or its cache hit ends early."""
+    from reuse_server.model.chat_templates import GEMMA_TURNS
+
+    turn = [{"role": "system", "content": [{"type": "text", "text": OTHER}, {"type": "text", "text": PASSAGE}]},
+            {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Spain?"}]
+
+    def ids(messages):
+        chunks = render_chat_chunks(tiny_tok, messages, add_generation_prompt=False, chat_template=GEMMA_TURNS)
+        return [t for c in chunks for t in c.tokens], chunks
+
+    before, before_chunks = ids(turn)
+    after, after_chunks = ids(turn + [{"role": "system", "content": "Remember the task tools.\n"}])
+    assert len(after_chunks) > 1 and after_chunks[-2].text == "Remember the task tools."
+    shared = len(before) - len(before_chunks[-1])  # the turn's closing framing changes
+    assert after[:shared] == before[:shared]

@@ -39,6 +39,9 @@ def test_a_responses_stream_is_passed_through_and_recorded(server):
         assert exchange.request_headers["authorization"] == "Bearer k"
         assert exchange.usage() == final.usage.model_dump(exclude_none=True)
         assert exchange.response_body.count(b"event: response.incomplete") == 1
+        # timed at its first text delta, which came before the stream's end (four tokens, then the final event)
+        assert b'"type":"response.output_text.delta"' in exchange.response_body.replace(b" ", b"")
+        assert 0 < exchange.ttft_s < exchange.e2e_s
     second = recorded[1].usage_in_chat_terms()
     assert second.prompt_tokens == finals[1].usage.input_tokens
     assert second.prompt_tokens_details.cached_tokens == finals[1].usage.input_tokens_details.cached_tokens > 0
@@ -60,6 +63,9 @@ def test_an_anthropic_stream_and_a_whole_answer_are_recorded(server):
         usage = exchange.usage()
         assert (usage["input_tokens"], usage["output_tokens"], usage["cache_read_input_tokens"]) == (
             message.usage.input_tokens, message.usage.output_tokens, message.usage.cache_read_input_tokens)
+    # the stream is timed at its first text delta, the whole answer at its end (when the client has its text)
+    assert 0 < recorded[0].ttft_s < recorded[0].e2e_s
+    assert recorded[1].ttft_s == recorded[1].e2e_s > 0
     terms = recorded[1].usage_in_chat_terms()
     assert terms.prompt_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     assert terms.prompt_tokens_details.cached_tokens == whole.usage.cache_read_input_tokens > 0
