@@ -50,7 +50,7 @@ from loadgen.http_recorder import sse_payloads
 from loadgen.recording_proxy import Exchange, recording_proxy
 from loadgen.workloads.agent_replay import TURN_TIMEOUT_S, task
 from reuse_server.model.bundled import bundled_gguf_path
-from reuse_server.server.launcher import free_port, wait_healthy
+from benchmarks.llama_server import running_llama_server
 
 AGENTS: dict[str, type[CodingAgent]] = {"codex": CodexCLI, "claude-code": ClaudeCode}
 TARGETS = ("reuse", "reuse-cache-off", "llama-server")
@@ -84,24 +84,8 @@ def scratch_repo(path: Path) -> None:
 def llama_server(binary: str, answer_cap: int) -> Iterator[str]:
     """llama.cpp's server on the bundled Gemma GGUF with its defaults (context from the model, its slots,
     cache_prompt on), answers capped at `answer_cap` (-n); yields its base URL."""
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="bench-llama-server-", suffix=".log")[1])
-    cmd = [binary, "-m", str(bundled_gguf_path(MODEL)), "--host", "127.0.0.1", "--port", str(port),
-           "-n", str(answer_cap)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log, timeout=300, name="llama-server")
+    with running_llama_server(binary, bundled_gguf_path(MODEL), ["-n", str(answer_cap)]) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.unlink(missing_ok=True)
 
 
 @contextmanager

