@@ -12,7 +12,7 @@ import random
 
 from loadgen.errors import UsageError
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
-from loadgen.workloads.text import estimate_chat_tokens, paragraph, question
+from loadgen.workloads.text import document_question, paragraph, question
 
 SYSTEM = "You are a careful reader. Answer the question about the document."
 
@@ -41,11 +41,7 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
     sessions = []
     for n, doc in enumerate(asks[: cfg.requests]):
         body = f"{document(cfg, doc)}\n\nQuestion: {question(rng)}"
-        messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": body})
-        size = estimate_chat_tokens(messages, cfg.chars_per_token)
-        if size > cfg.max_prompt_tokens:
-            raise UsageError(f"{name}: prompts of ~{size} tokens exceed --max-prompt-tokens {cfg.max_prompt_tokens}; "
-                             "lower --doc-tokens")
+        messages = document_question(name, SYSTEM, body, cfg)
         sid = f"doc{doc}" if n < count else f"ask{n}-doc{doc}"
         sessions.append(Session(id=sid, after=None if n < count else f"doc{count - 1}",
                                 requests=[RequestSpec(session=sid, turn=0, max_tokens=cfg.output_tokens,

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import random
 
-from loadgen.errors import UsageError
 from loadgen.workloads.documents import documents
 from loadgen.workloads.spec import RequestSpec, Session, Workload, WorkloadConfig
-from loadgen.workloads.text import estimate_chat_tokens, question, truncate_words
+from loadgen.workloads.text import document_question, question, truncate_words
 
 SYSTEM = "You are a careful reader. Answer the user's question about the document."
 
@@ -32,10 +31,6 @@ def build(name: str, cfg: WorkloadConfig) -> Workload:
     sessions = []
     for i in range(cfg.requests):
         body = f"Document:\n{doc}\n\nQuestion from user {i}: {question(rng)}"
-        messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": body})
-        size = estimate_chat_tokens(messages, cfg.chars_per_token)
-        if size > cfg.max_prompt_tokens:
-            raise UsageError(f"shared-doc: prompts of ~{size} tokens exceed --max-prompt-tokens {cfg.max_prompt_tokens}; "
-                             "lower --doc-tokens")
+        messages = document_question("shared-doc", SYSTEM, body, cfg)
         sessions.append(Session(id=f"user{i}", requests=[RequestSpec(session=f"user{i}", turn=0, max_tokens=cfg.output_tokens, messages=messages)]))
     return Workload(name=name, sessions=sessions)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from loadgen.errors import UsageError
+
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
     "country problem hand part place case week company system program question work government number "
@@ -83,3 +85,14 @@ def load_documents(path: Path) -> list[str]:
     if len(docs) < 2 and "\n\n" in text:
         docs = [p.strip() for p in text.split("\n\n") if p.strip()]
     return docs
+
+
+def document_question(name: str, system: str, body: str, cfg) -> tuple[dict, dict]:
+    """A reader's chat (system instructions, then the document and its question as the user turn), refused
+    with a UsageError when it would not fit --max-prompt-tokens."""
+    messages = ({"role": "system", "content": system}, {"role": "user", "content": body})
+    size = estimate_chat_tokens(messages, cfg.chars_per_token)
+    if size > cfg.max_prompt_tokens:
+        raise UsageError(f"{name}: prompts of ~{size} tokens exceed --max-prompt-tokens {cfg.max_prompt_tokens}; "
+                         "lower --doc-tokens")
+    return messages
