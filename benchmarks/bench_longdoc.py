@@ -5,7 +5,7 @@ flight. The figure is the second pass's time to first token: what the cache kept
 
 Servers, each started fresh for each document count, one after another:
 - ours: `reuse-server serve` with every flag at its default, as `make serve` starts it (the KV cache sized
-  to the machine: README, "How big the cache is"); its /v1/cache/stats `sizing` is printed with the row;
+  to the machine: docs/operations.md, "How big the cache is"); its /v1/cache/stats `sizing` is printed with the row;
 - llama: llama.cpp's `llama-server -m <the same GGUF>` with its defaults (--llama-server names the binary);
 - --variant NAME=FLAGS (repeatable): ours with these flags, e.g. the pool against pool + host tier at equal
   bytes: --variant "pool 3GiB=--kv-cache-memory 3GiB" --variant "1+2GiB=--kv-cache-memory 1GiB --cpu-cache-size 2GiB".

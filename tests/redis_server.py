@@ -1,5 +1,5 @@
 """A real redis-server on a free loopback port (Debian's; `make test` installs it), started and stopped by
-the tests, run as the README tells users to (reuse_server.server.launcher.redis_process). `kill` and `start` again
+the tests, run as docs/operations.md tells users to (reuse_server.server.launcher.redis_process). `kill` and `start` again
 on the same port simulate an outage."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The start-up sizing rules of the KV cache (kv/sizing.py) on given machine figures: what README promises
+"""The start-up sizing rules of the KV cache (kv/sizing.py) on given machine figures: what the docs promise
 for a 24 GiB machine, the floor of a tiny one, the ceiling of a large one, a cgroup limit read from the files a
 container has, replicas dividing a machine, the CUDA rule (vLLM's --gpu-memory-utilization), explicit sizes."""
 import re
@@ -9,18 +9,19 @@ import pytest
 from reuse_server.kv.sizing import (AUTO, CPU_CEILING, CPU_FLOOR, CPU_RESERVE, CardMemory, GiB, MachineMemory, MiB,
                                     cpu_budget, gpu_pool_bytes, read_machine_memory, size_for_cpu, size_for_gpu)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# where the user reads how big the cache is by default (README links to it)
+SIZING_DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 def machine(available_gib: float, total_gib: float = 24, **cgroup) -> MachineMemory:
     return MachineMemory(total=int(total_gib * GiB), available=int(available_gib * GiB), **cgroup)
 
 
-def test_a_24_gib_machine_gets_the_pool_the_readme_states():
-    text = " ".join(README.read_text().split())
+def test_a_24_gib_machine_gets_the_pool_the_docs_state():
+    text = " ".join(SIZING_DOC.read_text().split())
     found = re.search(r"a machine with 24 GiB of RAM, (\d+) GiB of it available at start, gets a pool of "
                       r"([\d.]+) GiB and no host tier", text)
-    assert found, "README no longer states the 24 GiB example"
+    assert found, "docs/operations.md no longer states the 24 GiB example"
     sizing = size_for_cpu(machine(float(found.group(1))), AUTO, AUTO)
     assert sizing.pool_bytes == pytest.approx(float(found.group(2)) * GiB, abs=0.01 * GiB)
     assert (sizing.pool, sizing.host_tier, sizing.host_tier_bytes) == ("auto", "off", 0)
