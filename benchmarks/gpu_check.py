@@ -1,6 +1,6 @@
 """`make gpu-check`: what this server does on a CUDA device, in one run of at most 8 minutes on one H100, as one
 JSON (issue #45). Run it at the start of any session whose device status shows a lent machine (DEVELOPERS.md);
-its figures go to BENCHMARKS.md, "GPU".
+its figures go to benchmarks/results/gpu.md and BENCHMARKS.md's summary.
 
 It needs only what the lent machine has (torch with CUDA, triton, pytest, safetensors, tokenizers, xxhash; no
 HTTP stack, no model files): models are random weights in the shapes of Llama-3.1-8B and the bundled models
