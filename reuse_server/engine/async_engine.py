@@ -45,7 +45,8 @@ SHARED_WRITE_WAIT_TIMEOUTS = 4  # a finished request waits for its Redis writes 
 
 
 class AsyncEngine:
-    """Start it with `AsyncEngine.launch(...)`; the constructor is called on the engine thread by launch."""
+    """Start it with `AsyncEngine.launch(...)`; the constructor is called on the engine thread by launch. What
+    the HTTP layer may use of it is declared by engine/client.py's EngineClient."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None, step_timeout: float | None = None) -> None:
         if max_waiting is not None and max_waiting < 1:
@@ -108,6 +109,10 @@ class AsyncEngine:
         return self.engine.names
 
     @property
+    def model_architecture(self) -> str:
+        return self.engine.model_config.architecture
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -141,6 +146,12 @@ class AsyncEngine:
     @property
     def sizing(self):  # how the KV cache was sized at start (kv/sizing.py KVSizing): fixed, read from any thread
         return self.engine.sizing
+
+    @property
+    def kv_events(self) -> dict | None:
+        """How routers subscribe to the engine's KV events (kv/events.py), None when it publishes none."""
+        events = self.engine.events
+        return events.describe() if events is not None else None
 
     @property
     def num_requests(self) -> int:
