@@ -12,8 +12,8 @@ from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
 from reuse_server.server.metrics import ServerMetrics
-from reuse_server.engine.client import EngineClient
 from reuse_server.engine.structured_output import GrammarCompiler
+from reuse_server.engine.client import EngineClient
 
 
 def create_app(engine: EngineClient, metrics: ServerMetrics | None = None,
