@@ -6,15 +6,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from reuse_server.api.app_state import AppState
 from reuse_server.api.errors import install_error_handlers
 from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
 from reuse_server.server.metrics import ServerMetrics
 from reuse_server.engine.structured_output import GrammarCompiler
+from reuse_server.engine.client import EngineClient
 
 
-def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, metrics: ServerMetrics | None = None,
+               settings: ServerSettings | None = None) -> FastAPI:
     settings = settings if settings is not None else ServerSettings()
     metrics = metrics if metrics is not None else ServerMetrics(engine)
     engine.metrics = metrics  # the engine reports TTFT and request ends to it
@@ -31,13 +34,9 @@ def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSet
 
     app = FastAPI(title="kv-reuse-server", summary="OpenAI-compatible server that reuses KV cache",
                   lifespan=lifespan)
-    app.state.engine = engine
     app.state.metrics = metrics
-    app.state.settings = settings
-    app.state.api_keys = settings.api_keys
-    app.state.tokenizing = tokenizing
-    app.state.responses = settings.responses
-    app.state.grammars = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    AppState(engine, settings, tokenizing,
+             GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)).attach(app)
     install_error_handlers(app)
     app.include_router(router)
     app.openapi = lambda: _openapi(app)

@@ -18,6 +18,8 @@ from pathlib import Path
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from reuse_server.api.app_state import app_state
+
 # Domain separation for the digest; changing it would move every tenant to a new (empty) cache namespace.
 _TENANT_DIGEST_KEY = b"kv-reuse-server tenant v1"
 
@@ -86,7 +88,7 @@ def _presented(credentials: HTTPAuthorizationCredentials | None, x_api_key: str 
 async def require_tenant(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer),
                          x_api_key: str | None = Depends(_x_api_key)) -> None:
     """Sets request.state.tenant: the key's tenant, or None when the server has no tenant keys."""
-    keys: ApiKeys = request.app.state.api_keys
+    keys = app_state(request).settings.api_keys
     request.state.tenant = None
     if not keys.required:
         return
@@ -98,6 +100,6 @@ async def require_tenant(request: Request, credentials: HTTPAuthorizationCredent
 
 
 async def require_admin(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    keys: ApiKeys = request.app.state.api_keys
+    keys = app_state(request).settings.api_keys
     if keys.admin_required and not keys.is_admin(_presented(credentials)):
         raise Unauthorized("This endpoint needs the server's admin API key, as 'Authorization: Bearer KEY'.")

@@ -15,9 +15,11 @@ from blend.chunking import encode
 from fastapi import Request
 from fastapi.responses import Response
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.chat_template import user_turn_opening
 from reuse_server.api.generation import check_model, until_done_or_disconnected
 from reuse_server.api.protocol import CacheChunksRequest, CacheChunksResponse, CachedChunk
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest
 
@@ -34,8 +36,8 @@ def check_lengths(chunks: list[list[int]], limit: int, opening: int) -> None:
                 f"chunks[{i}]", "context_length_exceeded")
 
 
-def start_precompute(engine, opening: list[int], token_ids: list[int], salt: str | None, tenant: str | None,
-                     deadline: float | None):
+def start_precompute(engine: EngineClient, opening: list[int], token_ids: list[int], salt: str | None,
+                     tenant: str | None, deadline: float | None):
     # blend=False: a chunk already in the index would otherwise be blended from itself, and a blended
     # chunk is neither registered again nor reported as present.
     options = CacheOptions(chunk_spans=[(len(opening), len(token_ids))], cache_salt=salt, tenant=tenant, blend=False)
@@ -77,10 +79,10 @@ def chunk_result(index: int, num_tokens: int, out: RequestOutput | None, min_tok
                        already_cached=present, skipped=skipped)
 
 
-async def precompute_chunks(engine, body: CacheChunksRequest, request: Request) -> Response:
+async def precompute_chunks(engine: EngineClient, body: CacheChunksRequest, request: Request) -> Response:
     check_model(body, engine.model_names)
     tenant = request.state.tenant
-    tokenizing = request.app.state.tokenizing
+    tokenizing = app_state(request).tokenizing
     chunks, opening = await tokenizing.run(tokenize_chunks, tokenizing.tokenizer_for(tenant), body.chunks)
     check_lengths(chunks, engine.max_model_len, len(opening))  # before any KV block is touched
     min_tokens = engine.config.blend_min_tokens

@@ -9,18 +9,20 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.cache_chunks import last_output
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.completions import completion_prompt
 from reuse_server.api.generation import check_model, until_done_or_disconnected
 from reuse_server.api.protocol import CachePrefetchRequest, CachePrefetchResponse, TierTokens
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 
 
-async def prefetch(engine, body: CachePrefetchRequest, request: Request) -> Response:
+async def prefetch(engine: EngineClient, body: CachePrefetchRequest, request: Request) -> Response:
     check_model(body, engine.model_names)
     tenant = request.state.tenant
-    tokenizing = request.app.state.tokenizing
+    tokenizing = app_state(request).tokenizing
     tokenizer = tokenizing.tokenizer_for(tenant)
     if body.messages is not None:
         prompt_ids, _ = await tokenizing.run(render_chat_prompt, tokenizer, body.messages)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 
+from reuse_server.engine.client import EngineClient
 
-def cache_stats(engine) -> str:
+
+def cache_stats(engine: EngineClient) -> str:
     snap = engine.snapshot()
     return json.dumps({
         "object": "cache.stats",

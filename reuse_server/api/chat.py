@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi import Request
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.chat_template import render_chat_prompt, render_marked_chat_prompt
 from reuse_server.api.generation import (ChoiceOutputs, cache_options, check_common, check_model, collect,
                                          compile_constraint, generate_choices, sampling_params)
@@ -18,6 +19,7 @@ from reuse_server.api.prompt_chunks import PromptChunks
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, ToolSettings, parse_tool_calls,
                                     tool_settings)
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheBreakpoint, CacheOptions, SamplingParams
 
@@ -40,7 +42,7 @@ class PreparedChat:
     n: int
     chunk_spans: list[tuple[int, int]] = field(default_factory=list)
 
-    def start(self, engine, request: Request) -> ChoiceOutputs:
+    def start(self, engine: EngineClient, request: Request) -> ChoiceOutputs:
         """Queue the request (429/503 raised here, before anything is queued)."""
         return generate_choices(engine, self.request_id, self.prompt_ids, self.params, self.cache, self.n,
                                 request.state.deadline)
@@ -59,13 +61,13 @@ async def marked_chat_prompt(body: ChatCompletionRequest, request: Request, rend
                              ) -> tuple[PromptChunks, tuple[CacheBreakpoint, ...], ToolSettings]:
     """chat_prompt's prompt, with the cache breakpoints the client's cache_control marks set in it."""
     tools = tool_settings(body)
-    tokenizing = request.app.state.tokenizing
+    tokenizing = app_state(request).tokenizing
     prompt, breakpoints = await tokenizing.run(render_marked_chat_prompt, render,
                                                tokenizing.tokenizer_for(request.state.tenant), body.messages, tools)
     return prompt, breakpoints, tools
 
 
-async def prepare_chat(engine, body: ChatCompletionRequest, request: Request, request_id: str,
+async def prepare_chat(engine: EngineClient, body: ChatCompletionRequest, request: Request, request_id: str,
                        logprobs: int | None = None, render: PromptRenderer = render_chat_prompt) -> PreparedChat:
     """Validate, render and tokenize (on a worker thread), compile the output constraint; raises
     InvalidRequest (a 400) for anything the engine could not run."""

@@ -15,6 +15,7 @@ from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceL
                                        ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                        FunctionCall, ToolCall, TopLogprob)
 from reuse_server.api.tools import StreamEvent
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -33,7 +34,7 @@ def requested_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def create_chat_completion(engine, body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(engine: EngineClient, body: ChatCompletionRequest, request: Request) -> Response:
     logprobs = requested_logprobs(body)
     chat = await prepare_chat(engine, body, request, f"chatcmpl-{uuid.uuid4().hex}", logprobs)
     created = int(time.time())

@@ -10,11 +10,13 @@ from fastapi.responses import Response
 
 from blend.chunking import split_by_separator, tokenize_chunks
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
                                          compile_constraint, generate_choices, sampling_params, sse_events,
                                          usage_from)
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -40,9 +42,9 @@ def completion_prompt(tokenizer, prompt: str | list, separator: str | None = Non
     return PromptChunks(list(tokenizer.encode(prompt)), [])
 
 
-async def completion_prompt_ids(engine, body: CompletionRequest, request: Request) -> PromptChunks:
+async def completion_prompt_ids(engine: EngineClient, body: CompletionRequest, request: Request) -> PromptChunks:
     """The prompt's token ids and chunk spans, tokenized on a worker thread."""
-    tokenizing = request.app.state.tokenizing
+    tokenizing = app_state(request).tokenizing
     return await tokenizing.run(completion_prompt, tokenizing.tokenizer_for(request.state.tenant), body.prompt,
                                 engine.config.blend_separator)
 
@@ -59,7 +61,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> C
     return result
 
 
-async def create_completion(engine, body: CompletionRequest, request: Request) -> Response:
+async def create_completion(engine: EngineClient, body: CompletionRequest, request: Request) -> Response:
     check_model(body, engine.model_names)
     check_common(body)
     if body.echo:

@@ -16,9 +16,11 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.errors import SERVICE_ERRORS, ClientDisconnected, ModelNotFound, error_body, service_error
 from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, ResponseFormat, TierTokens, Usage
 from reuse_server.api.tools import ToolSettings, output_grammar
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.model_names import ModelNames
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
@@ -73,7 +75,7 @@ async def compile_constraint(request: Request, tools: ToolSettings | None,
     """The compiled grammar for a request's tools and response_format (None: unconstrained; tools.output_grammar),
     compiled on a worker thread so that neither the event loop nor the engine waits for it; the server's
     GrammarCompiler caches it."""
-    return await asyncio.to_thread(output_grammar, request.app.state.grammars, tools, response_format)
+    return await asyncio.to_thread(output_grammar, app_state(request).grammars, tools, response_format)
 
 
 def token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
@@ -126,7 +128,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
             for i in range(n)]
 
 
-def generate_choices(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+def generate_choices(engine: EngineClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      options: CacheOptions, n: int, deadline: float | None = None) -> "ChoiceOutputs":
     """Admit and start the n choices of a request at once (nothing else is admitted in between); their
     outputs as they come, each with its choice index. Raises (429, 503) before anything is queued."""

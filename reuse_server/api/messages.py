@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.chat import AnswerStep, PreparedChat, answer_steps, prepare_chat, whole_answers
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.errors import anthropic_error_body, describe_validation_error
@@ -26,6 +27,7 @@ from reuse_server.api.messages_protocol import (AnthropicMessage, CountTokensReq
                                                 MessagesRequest, ServerTool, TextBlock)
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import tool_settings
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -184,7 +186,8 @@ def usage(last: RequestOutput, output_tokens: int | None = None) -> dict:
             "tier_tokens": {"host": 0, "disk": 0, "redis": 0, **last.tier_tokens}}
 
 
-def stop_sequence(engine, chat: PreparedChat, token_ids: list[int], text: str, reason: str | None) -> str | None:
+def stop_sequence(engine: EngineClient, chat: PreparedChat, token_ids: list[int], text: str,
+                  reason: str | None) -> str | None:
     """The stop sequence that ended the answer, if one did (the engine cuts it from the text it returns)."""
     stops = chat.params.stop
     if reason != "stop" or not stops or not token_ids or token_ids[-1] in engine.eos_token_ids:
@@ -193,7 +196,7 @@ def stop_sequence(engine, chat: PreparedChat, token_ids: list[int], text: str, r
     return next((s for s in stops if full.startswith(s, len(text))), stops[0] if len(stops) == 1 else None)
 
 
-def stop_fields(engine, chat: PreparedChat, token_ids: list[int], text: str, reason: str | None) -> dict:
+def stop_fields(engine: EngineClient, chat: PreparedChat, token_ids: list[int], text: str, reason: str | None) -> dict:
     matched = stop_sequence(engine, chat, token_ids, text, reason)
     return {"stop_reason": "stop_sequence" if matched else STOP_REASONS.get(reason, "end_turn"),
             "stop_sequence": matched}
@@ -208,7 +211,7 @@ def message_shell(message_id: str, model: str) -> dict:
             "stop_reason": None, "stop_sequence": None}
 
 
-async def create_message(engine, body: MessagesRequest, request: Request) -> Response:
+async def create_message(engine: EngineClient, body: MessagesRequest, request: Request) -> Response:
     chat = await prepare_chat(engine, chat_request(body), request, f"msg_{uuid.uuid4().hex}")
     outputs = chat.start(engine, request)
     if body.stream:
@@ -231,7 +234,7 @@ def _error_event(status: int, message: str, _: str) -> tuple[str, dict]:
     return "error", anthropic_error_body(status, message)
 
 
-async def message_events(engine, chat: PreparedChat,
+async def message_events(engine: EngineClient, chat: PreparedChat,
                          steps: AsyncIterator[AnswerStep]) -> AsyncIterator[tuple[str, dict]]:
     """Anthropic's stream: message_start (once the prompt is in, so its usage is known), ping, a
     content_block_start / _delta / _stop run per text or tool_use block, message_delta, message_stop."""
@@ -286,11 +289,11 @@ async def message_events(engine, chat: PreparedChat,
             yield "message_stop", {"type": "message_stop"}
 
 
-async def count_tokens(engine, body: CountTokensRequest, request: Request) -> Response:
+async def count_tokens(engine: EngineClient, body: CountTokensRequest, request: Request) -> Response:
     """The prompt's length as /v1/messages would render it (tools included)."""
     check_model(body, engine.model_names)
     chat = chat_request(body.model_copy(update={"max_tokens": 1, "stream": False}))
-    tokenizing = request.app.state.tokenizing
+    tokenizing = app_state(request).tokenizing
     prompt = await tokenizing.run(render_chat_prompt, tokenizing.tokenizer_for(request.state.tenant),
                                   chat.messages, tool_settings(chat))
     return JSONResponse({"input_tokens": len(prompt.token_ids)})

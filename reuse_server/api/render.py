@@ -14,9 +14,10 @@ from reuse_server.api.chat import chat_prompt
 from reuse_server.api.completions import completion_prompt_ids
 from reuse_server.api.generation import check_model
 from reuse_server.api.protocol import ChatCompletionRequest, CompletionRequest
+from reuse_server.engine.client import EngineClient
 
 
-async def render_completion(engine, body: CompletionRequest, request: Request) -> JSONResponse:
+async def render_completion(engine: EngineClient, body: CompletionRequest, request: Request) -> JSONResponse:
     """A list with one entry per prompt (vLLM renders batches; we take one prompt a request)."""
     check_model(body, engine.model_names)
     prompt_ids, _ = await completion_prompt_ids(engine, body, request)
@@ -24,7 +25,7 @@ async def render_completion(engine, body: CompletionRequest, request: Request) -
                           "model": engine.model_id}])
 
 
-async def render_chat(engine, body: ChatCompletionRequest, request: Request) -> JSONResponse:
+async def render_chat(engine: EngineClient, body: ChatCompletionRequest, request: Request) -> JSONResponse:
     check_model(body, engine.model_names)
     prompt_ids, _, _ = await chat_prompt(body, request)
     return JSONResponse({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": prompt_ids,

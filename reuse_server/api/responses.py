@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.chat import Answer, AnswerStep, PreparedChat, answer_steps, prepare_chat, whole_answers
 from reuse_server.api.chat_template import render_chat_prompt, render_continuation
 from reuse_server.api.errors import NotFound, describe_validation_error, error_body
@@ -33,6 +34,7 @@ from reuse_server.api.responses_protocol import (FunctionCallItem, FunctionCallO
                                                  ResponsesRequest)
 from reuse_server.api.responses_tools import ResponsesTools, model_name, responses_tools, warn_skipped
 from reuse_server.api.tools import StreamEvent
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput
 from reuse_server.engine.sampling_params import InvalidRequest
 
@@ -209,8 +211,8 @@ def usage(last: RequestOutput) -> dict:
 class Turn:
     """One POST /v1/responses: the request, its conversation, and how its response is written and stored."""
 
-    def __init__(self, engine, body: ResponsesRequest, tools: ResponsesTools, request: Request, history: list[dict],
-                 new: list[dict]):
+    def __init__(self, engine: EngineClient, body: ResponsesRequest, tools: ResponsesTools, request: Request,
+                 history: list[dict], new: list[dict]):
         self.engine, self.body, self.tools, self.request = engine, body, tools, request
         self.id = _id("resp")
         self.created = int(time.time())
@@ -269,14 +271,14 @@ class Turn:
         answer = {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
         record = StoredResponse(self.id, self.request.state.tenant, response, chat.prompt_ids, answer_ids,
                                 self.conversation + [answer], framing_of(self.body), chat.chunk_spans)
-        await asyncio.to_thread(self.request.app.state.responses.put, record)
+        await asyncio.to_thread(_store(self.request).put, record)
 
 
 def _store(request: Request) -> ResponseStore:
-    return request.app.state.responses
+    return app_state(request).settings.responses
 
 
-async def create_response(engine, body: ResponsesRequest, request: Request) -> Response:
+async def create_response(engine: EngineClient, body: ResponsesRequest, request: Request) -> Response:
     refuse_what_cannot_be_honoured(body)
     stored = None
     if body.previous_response_id:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
+from reuse_server.api.app_state import app_state
 from reuse_server.api.auth import require_admin, require_tenant
 from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.cache_prefetch import prefetch
@@ -29,6 +32,7 @@ from reuse_server.api.responses import create_response, delete_response, get_res
 from reuse_server.api.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from reuse_server.api.render import render_chat, render_completion
 from reuse_server.api.worker_info import ModelInfo, RankLoad, ServerInfo, load, model_info, server_info
+from reuse_server.engine.client import EngineClient
 from reuse_server.engine.sampling_params import InvalidRequest
 
 _STARTED = int(time.time())
@@ -73,7 +77,7 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_tenant)])
                              "description": "Not serving: shutting down, engine stalled or stopped.",
                              "headers": _RETRY_AFTER}})
 async def health(request: Request) -> JSONResponse:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     reason = engine.unavailable_reason()
     if reason is None:
         return JSONResponse(HealthStatus(status="ok").model_dump(exclude_none=True))
@@ -89,22 +93,22 @@ async def health(request: Request) -> JSONResponse:
 # What a load-balancing gateway asks of a worker (api/worker_info.py); open like /health.
 @router.get("/server_info", response_model=ServerInfo)
 async def get_server_info(request: Request) -> ServerInfo:
-    return server_info(request.app.state.engine)
+    return server_info(app_state(request).engine)
 
 
 @router.get("/model_info", response_model=ModelInfo)
 async def get_model_info(request: Request) -> ModelInfo:
-    return model_info(request.app.state.engine)
+    return model_info(app_state(request).engine)
 
 
 @router.get("/get_load", response_model=list[RankLoad])
 async def get_load(request: Request) -> list[RankLoad]:
-    return load(request.app.state.engine)
+    return load(app_state(request).engine)
 
 
 @v1.get("/models", response_model=ModelList, responses=_UNAUTHORIZED)
 async def models(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     # as vLLM lists them: every served name, the id first; the --model alias is accepted but not listed
     listing = ModelList(data=[ModelCard(id=name, created=_STARTED, max_model_len=engine.max_model_len)
                               for name in engine.model_names.served])
@@ -192,12 +196,17 @@ async def cache_prefetch(body: CachePrefetchRequest, request: Request) -> Respon
                              "description": "What the device pool and each tier below it hold."},
                        401: _error("No admin API key (only when the server has one).")})
 async def stats(request: Request) -> Response:
-    return Response(cache_stats(request.app.state.engine), media_type="application/json")
+    return Response(cache_stats(app_state(request).engine), media_type="application/json")
 
 
-async def _answer(handler, body, request: Request) -> Response:
-    engine = request.app.state.engine
-    timeout = request.app.state.settings.request_timeout
+# a door's handler: the engine, the request's parsed body, the request
+Handler = Callable[[EngineClient, Any, Request], Awaitable[Response]]
+
+
+async def _answer(handler: Handler, body: BaseModel, request: Request) -> Response:
+    state = app_state(request)
+    engine = state.engine
+    timeout = state.settings.request_timeout
     request.state.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     try:
         engine.admit(0)  # refused at once while shutting down or dead, before tokenizing anything

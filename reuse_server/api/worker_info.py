@@ -14,6 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pydantic import BaseModel
 
+from reuse_server.engine.client import EngineClient
+
 try:
     VERSION = version("kv-reuse-server")
 except PackageNotFoundError:  # running from a source tree that was never installed
@@ -50,34 +52,29 @@ class RankLoad(BaseModel):
     kv_blocks_total: int
 
 
-def server_info(engine) -> ServerInfo:
+def server_info(engine: EngineClient) -> ServerInfo:
     config = engine.config
     snap = engine.snapshot()
     block_size = snap["memory"]["block_size"]
     return ServerInfo(served_model_name=engine.model_id, model_path=_model_path(config), version=VERSION,
                       max_total_tokens=snap["total_blocks"] * block_size, max_running_requests=config.max_num_seqs,
                       max_prefill_tokens=config.max_num_batched_tokens, max_model_len=engine.max_model_len,
-                      block_size=block_size, kv_events=_kv_events(engine))
+                      block_size=block_size, kv_events=engine.kv_events)
 
 
-def model_info(engine) -> ModelInfo:
+def model_info(engine: EngineClient) -> ModelInfo:
     path = _model_path(engine.config)
     return ModelInfo(model_path=path, tokenizer_path=path, served_model_name=engine.model_id,
-                     model_type=engine.engine.model_config.architecture)
+                     model_type=engine.model_architecture)
 
 
-def load(engine) -> list[RankLoad]:
+def load(engine: EngineClient) -> list[RankLoad]:
     snap = engine.snapshot()
     waiting = engine.num_waiting
     requests = max(engine.num_requests, waiting)
     held = snap["in_use_blocks"] * snap["memory"]["block_size"]
     return [RankLoad(num_reqs=requests, num_waiting_reqs=waiting, num_tokens=held + engine.num_waiting_tokens,
                      kv_blocks_in_use=snap["in_use_blocks"], kv_blocks_total=snap["total_blocks"])]
-
-
-def _kv_events(engine) -> dict | None:
-    events = engine.engine.events
-    return events.describe() if events is not None else None
 
 
 def _model_path(config) -> str:

@@ -29,6 +29,7 @@ from typing import Callable
 
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
+from reuse_server.engine.inbox import Abort, Add, InboxMessage, Precompute, Prefetch, Submission
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.model_names import ModelNames
 from reuse_server.engine.outputs import RequestOutput
@@ -44,14 +45,15 @@ SHARED_WRITE_WAIT_TIMEOUTS = 4  # a finished request waits for its Redis writes 
 
 
 class AsyncEngine:
-    """Start it with `AsyncEngine.launch(...)`; the constructor is called on the engine thread by launch."""
+    """Start it with `AsyncEngine.launch(...)`; the constructor is called on the engine thread by launch. What
+    the HTTP layer may use of it is declared by engine/client.py's EngineClient."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None, step_timeout: float | None = None) -> None:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[InboxMessage] = deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -107,6 +109,10 @@ class AsyncEngine:
         return self.engine.names
 
     @property
+    def model_architecture(self) -> str:
+        return self.engine.model_config.architecture
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -140,6 +146,12 @@ class AsyncEngine:
     @property
     def sizing(self):  # how the KV cache was sized at start (kv/sizing.py KVSizing): fixed, read from any thread
         return self.engine.sizing
+
+    @property
+    def kv_events(self) -> dict | None:
+        """How routers subscribe to the engine's KV events (kv/events.py), None when it publishes none."""
+        events = self.engine.events
+        return events.describe() if events is not None else None
 
     @property
     def num_requests(self) -> int:
@@ -242,17 +254,17 @@ class AsyncEngine:
                  options: CacheOptions | None = None, deadline: float | None = None) -> "RequestStream":
         """Submit a validated request (validate_prompt) now and return its outputs' stream. `deadline` is an
         event-loop time (loop.time()) past which the request is aborted and its stream raises RequestTimedOut."""
-        return self._open("add", request_id, prompt_token_ids, deadline, params, options or CacheOptions())
+        return self._open(Add(request_id, list(prompt_token_ids), params, options or CacheOptions()), deadline)
 
     def precompute(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
                    deadline: float | None = None) -> "RequestStream":
         """Submit a chunk precompute (LLMEngine.precompute): one output, when its chunks are registered."""
-        return self._open("precompute", request_id, prompt_token_ids, deadline, options)
+        return self._open(Precompute(request_id, list(prompt_token_ids), options), deadline)
 
     def prefetch(self, request_id: str, prompt_token_ids: list[int], options: CacheOptions,
                  deadline: float | None = None) -> "RequestStream":
         """Submit a prefetch (LLMEngine.prefetch): one output, once the prompt's cached blocks are up."""
-        return self._open("prefetch", request_id, prompt_token_ids, deadline, options)
+        return self._open(Prefetch(request_id, list(prompt_token_ids), options), deadline)
 
     def _refuse_if_dead(self) -> None:
         """Raise EngineDeadError (EngineStalled while the watchdog says so) unless the engine thread runs and
@@ -261,15 +273,14 @@ class AsyncEngine:
         if reason is not None and not (self.draining and self.dead_reason is None and self.stalled_reason is None):
             raise self._refusal(reason)
 
-    def _open(self, kind: str, request_id: str, prompt_token_ids: list[int], deadline: float | None,
-              *args) -> "RequestStream":
+    def _open(self, submission: Submission, deadline: float | None) -> "RequestStream":
         self._refuse_if_dead()  # what admit() let in may meet a dead engine: its stream must not wait forever
-        stream = RequestStream(self, request_id, deadline)
-        self._queues[request_id] = stream.queue
+        stream = RequestStream(self, submission.request_id, deadline)
+        self._queues[submission.request_id] = stream.queue
         with self._count_lock:
             self._inbox_adds += 1
-            self._inbox_tokens += len(prompt_token_ids)
-        self._submit((kind, request_id, list(prompt_token_ids), *args))
+            self._inbox_tokens += len(submission.prompt_token_ids)
+        self._submit(submission)
         return stream
 
     def _refusal(self, reason: str) -> Exception:
@@ -288,15 +299,18 @@ class AsyncEngine:
                 pass
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(Abort(request_id))
 
     def _forget(self, request_id: str, queue: asyncio.Queue) -> None:
         if self._queues.get(request_id) is queue:
             del self._queues[request_id]
 
     # the engine thread
-    def _submit(self, item: tuple) -> None:
-        self._inbox.append(item)
+    def _submit(self, message: InboxMessage) -> None:
+        # refused here, on the submitter's thread: on the engine thread an unknown message would stop the engine
+        if not isinstance(message, InboxMessage):
+            raise TypeError(f"the engine inbox takes {InboxMessage}, not {type(message).__name__}")
+        self._inbox.append(message)
         self._wake.set()
 
     def _deliver(self, request_id: str, item) -> None:
@@ -314,23 +328,31 @@ class AsyncEngine:
         added = added_tokens = 0
         try:
             while self._inbox:
-                kind, request_id, *rest = self._inbox.popleft()
-                if kind == "abort":
-                    self.engine.abort(request_id)
+                message = self._inbox.popleft()
+                if isinstance(message, Abort):
+                    self.engine.abort(message.request_id)
                     continue
                 added += 1
-                added_tokens += len(rest[0])
+                added_tokens += len(message.prompt_token_ids)
                 try:
-                    if kind == "add":
-                        self.engine.add(request_id, *rest)
-                    elif kind == "precompute":
-                        self.engine.precompute(request_id, *rest)
-                    elif (out := self.engine.prefetch(request_id, *rest)) is not None:
-                        self._send(request_id, out)  # (else the pool was full: it comes from a later step)
+                    self._take(message)
                 except Exception as exc:  # validated already; anything here is reported to that request alone
-                    self._send(request_id, exc)
+                    self._send(message.request_id, exc)
         finally:
             self._count_waiting(added, added_tokens)
+
+    def _take(self, submission: Submission) -> None:
+        """Hand one submission to the engine (on the engine thread)."""
+        match submission:
+            case Add(request_id, prompt, params, options):
+                self.engine.add(request_id, prompt, params, options)
+            case Precompute(request_id, prompt, options):
+                self.engine.precompute(request_id, prompt, options)
+            case Prefetch(request_id, prompt, options):
+                if (out := self.engine.prefetch(request_id, prompt, options)) is not None:
+                    self._send(request_id, out)  # (else the pool was full: it comes from a later step)
+            case _:  # _submit refuses anything else; a kind added to InboxMessage must be handled here
+                raise TypeError(f"no engine call for {type(submission).__name__}")
 
     def _count_waiting(self, drained_adds: int = 0, drained_tokens: int = 0) -> None:
         waiting = self.engine.scheduler.waiting

@@ -10,7 +10,7 @@ import pytest
 from fault_injection import FAULT, launch_faulty
 from reuse_server.engine.async_engine import AsyncEngine, EngineDeadError, QueueFull, RequestTimedOut
 from reuse_server.engine.config import EngineConfig
-from reuse_server.engine.sampling_params import SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 from reuse_server.model.errors import ModelLoadError
 
 
@@ -107,6 +107,27 @@ def test_the_waiting_queue_is_bounded_at_admission(tiny_llama_path):
 
     asyncio.run(run())
     assert engine.engine.cache.stats().in_use_blocks == 0
+
+
+def test_an_unknown_inbox_message_is_refused_by_the_submitter(tiny_llama_path):
+    """The inbox takes its typed messages (engine/inbox.py) only: anything else (here the string-tagged tuple
+    the inbox once took) raises on the submitter's thread, never reaches the engine thread, and the engine
+    goes on serving."""
+    engine = AsyncEngine.launch(_config(tiny_llama_path))
+
+    async def run():
+        await engine.start()
+        with pytest.raises(TypeError, match="inbox"):
+            engine._submit(("add", "tagged", [3, 4, 5], SamplingParams(max_tokens=2), CacheOptions()))
+        assert not engine._inbox
+        outputs = [out async for out in engine.generate("typed", list(range(3, 20)), SamplingParams(max_tokens=3))]
+        reason = engine.unavailable_reason()
+        await engine.shutdown()
+        return outputs, reason
+
+    outputs, reason = asyncio.run(run())
+    assert reason is None
+    assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
 
 
 def test_a_deadline_aborts_the_request_and_frees_its_blocks(tiny_llama_path):
