@@ -59,7 +59,7 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(inputs.device)[0]
         graphs, logits, memory = {}, {}, None
         for bucket in reversed(inputs.buckets):
-            step = inputs.padding(bucket)
+            step = inputs.padding(bucket, model.backend.attention)
 
             def forward(step=step):
                 hidden = model(step.input_ids, step.positions, step.meta, pool, None)

@@ -12,6 +12,7 @@ Only the model's inputs are static: sampling runs eagerly on the first rows of t
 whose penalties, grammars and per-request generators are host-driven and vary in kind from row to row."""
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -46,6 +47,13 @@ def is_plain_decode(slices, want_logits: list[bool], selections: dict | None) ->
             and all(piece.num_tokens == 1 for piece in slices))
 
 
+def is_triton_kernel(kernel) -> bool:
+    """Whether the model attends through the paged Triton kernel (without importing triton where it does not:
+    a kernel of that module means the module was imported)."""
+    module = sys.modules.get("reuse_server.model.attention_triton")
+    return module is not None and isinstance(kernel, module.TritonAttentionKernel)
+
+
 @dataclass
 class StaticStep:
     """One step on the static buffers: `rows` real rows, padded to `bucket`."""
@@ -63,14 +71,16 @@ class StaticTritonPlan:
     have, not the step's longest, so that every step of a bucket launches the same kernels (a graph's)."""
 
     def __init__(self, tiles: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, group: int,
-                 head_dim: int, kv_heads: int, longest: int):
+                 head_dim: int, kv_heads: int, longest: int, kernel):
+        """kernel: the TritonAttentionKernel, whose forced splits and key tile (tests) it honours."""
         from reuse_server.model.attention_triton import num_splits, tile_shape
 
         self.block_m, self.block_q, self.block_n = tile_shape(group, head_dim, 1, positions.device)
+        self.block_n = kernel.block_n or self.block_n
         self.num_tiles = tiles.shape[0]
         self.tiles, self.tables, self.positions = tiles, tables, positions
         self.longest = longest
-        self.splits = num_splits(self.num_tiles * kv_heads, longest)
+        self.splits = kernel.splits if kernel.splits is not None else num_splits(self.num_tiles * kv_heads, longest)
 
     def splits_for(self, kv_heads: int) -> int:
         return self.splits
@@ -83,9 +93,9 @@ class StaticDecodeInputs:
     one copy."""
 
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, scratch_block: int,
-                 device: "torch.device | str" = "cpu", triton_heads: tuple[int, int, int] | None = None):
-        """triton_heads: (query heads, KV heads, head dim) where the model attends through the Triton kernel
-        (its plan is then built on the buffers too); None for the torch attention."""
+                 device: "torch.device | str" = "cpu", heads: tuple[int, int, int] | None = None):
+        """heads: the model's (query heads, KV heads, head dim), which a Triton kernel's plan on the buffers
+        needs (load's kernel); None where the model attends through torch alone."""
         self.device = torch.device(device)
         self.buckets = decode_buckets(max_rows)
         self.max_rows, self.max_blocks = max_rows, max_blocks
@@ -97,13 +107,13 @@ class StaticDecodeInputs:
         self._sent: "torch.cuda.Event | None" = None  # the last copy out of the host buffer
         self.loads: Counter[int] = Counter()  # steps loaded, by bucket
         self._triton = None
-        if triton_heads is not None:
-            heads, kv_heads, head_dim = triton_heads
+        if heads is not None:
+            num_heads, kv_heads, head_dim = heads
             rows = torch.arange(max_rows, dtype=torch.int32)
             tiles = torch.stack([rows, rows + 1, torch.ones_like(rows), rows * max_blocks], 1)
             self._tiles = tiles.to(self.device)  # column 2, the context length, is copied in per step
             self._tables32 = torch.zeros(max_rows * max_blocks, dtype=torch.int32, device=self.device)
-            self._triton = (heads // kv_heads, head_dim, kv_heads)
+            self._triton = (num_heads // kv_heads, head_dim, kv_heads)
 
     def _part(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """The index-th [max_rows] field (ids, positions, slots, context lengths) of a buffer."""
@@ -119,10 +129,12 @@ class StaticDecodeInputs:
             return None
         return bucket_for(len(tables), self.buckets)
 
-    def load(self, spans: list[tuple[int, int, list[int], int]], bucket: int) -> StaticStep:
+    def load(self, spans: list[tuple[int, int, list[int], int]], bucket: int, kernel=None) -> StaticStep:
         """spans: per sequence (its token id, its position, its block table, its context length), at most
         `bucket` of them (fits). Fills the rows after them with padding, sends the step to the device in one
-        copy and returns the step on views of the buffers."""
+        copy and returns the step on views of the buffers. kernel: the model's attention kernel
+        (model.backend.attention): a Triton one gets its plan on the buffers; any other plans for itself."""
+        triton = self._triton is not None and is_triton_kernel(kernel)
         n, bs = len(spans), self.block_size
         if self._sent is not None:
             self._sent.synchronize()  # the previous step's copy has read the host buffer
@@ -140,16 +152,16 @@ class StaticDecodeInputs:
         for i, span in enumerate(rows):
             tables[i, :len(span[2])] = torch.tensor(span[2], dtype=torch.long)
         tables[n:bucket, 0] = self.scratch_block
-        self._send(bucket)
+        self._send(bucket, triton)
         self.loads[bucket] += 1
         widths = [len(s[2]) for s in rows] + [1] * pad
-        return self._step(n, bucket, widths, [s[3] for s in rows] + [1] * pad)
+        return self._step(n, bucket, widths, [s[3] for s in rows] + [1] * pad, kernel if triton else None)
 
-    def padding(self, bucket: int) -> StaticStep:
+    def padding(self, bucket: int, kernel=None) -> StaticStep:
         """A step of padding rows alone (what a graph is captured on)."""
-        return self.load([], bucket)
+        return self.load([], bucket, kernel)
 
-    def _send(self, bucket: int) -> None:
+    def _send(self, bucket: int, triton: bool) -> None:
         """The rows of the step's bucket to the device, one copy (the whole head of the buffer: the fields of
         max_rows each, then the first `bucket` tables), and the Triton plan's int32 fields from them."""
         end = 4 * self.max_rows + bucket * self.max_blocks
@@ -158,11 +170,11 @@ class StaticDecodeInputs:
             self._sent = torch.cuda.Event() if self.device.type == "cuda" else None
             if self._sent is not None:
                 self._sent.record()
-        if self._triton is not None:
+        if triton:
             self._tiles[:bucket, 2].copy_(self._part(self._dev, 3)[:bucket])
             self._tables32[:bucket * self.max_blocks].copy_(self._dev[4 * self.max_rows:end])
 
-    def _step(self, n: int, bucket: int, widths: list[int], context_lens: list[int]) -> StaticStep:
+    def _step(self, n: int, bucket: int, widths: list[int], context_lens: list[int], kernel) -> StaticStep:
         dev, host = self._dev, self._host
         dev_tables, host_tables = self._tables(dev), self._tables(host)
         positions = self._part(dev, 1)[:bucket]
@@ -171,9 +183,9 @@ class StaticDecodeInputs:
             block_tables=[dev_tables[i, :w] for i, w in enumerate(widths)], context_lens=context_lens,
             slot_mapping=self._part(dev, 2)[:bucket], host_positions=self._part(host, 1)[:bucket].clone(),
             host_block_tables=[host_tables[i, :w].clone() for i, w in enumerate(widths)])
-        if self._triton is not None:
+        if kernel is not None:
             group, head_dim, kv_heads = self._triton
             plan = StaticTritonPlan(self._tiles[:bucket], self._tables32, positions, group, head_dim, kv_heads,
-                                    self.max_blocks * self.block_size)
+                                    self.max_blocks * self.block_size, kernel)
             meta.use_kernel_plan(positions, plan)
         return StaticStep(n, bucket, self._part(dev, 0)[:bucket], positions, meta)

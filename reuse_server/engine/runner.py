@@ -154,7 +154,7 @@ class ModelRunner:
             seq = piece.seq
             at = seq.num_computed
             spans.append((seq.token_ids[at], at, seq.block_table, at + 1))
-        step = self.decode_inputs.load(spans, bucket)
+        step = self.decode_inputs.load(spans, bucket, self.model.backend.attention)
         if self.graphs is not None and self.graphs.holds(bucket):
             self.steps["graph"] += 1
             return self.graphs.replay(bucket)[:step.rows]
