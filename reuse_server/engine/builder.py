@@ -260,6 +260,7 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint, 
     if not (host_bytes or config.disk_cache_dir or config.redis_url):
         return None
     from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
+    from reuse_server.kv.tiers.host_memory import host_memory_for
 
     tier_dtype = None if config.tier_kv_dtype == "auto" else kv_quant.storage_dtype(config.tier_kv_dtype)
     layout = pool.layout_for(tier_dtype)
@@ -270,7 +271,7 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint, 
     # A writer's queue takes the blocks of two full steps: a prompt as long as a step is written through
     # whole even while the step before it is still being written (past the bound, blocks are dropped)
     queue = max(MIN_WRITE_QUEUE_BYTES, 2 * config.max_num_batched_tokens // pool.block_size * layout.nbytes)
-    host = HostTier(host_bytes) if host_bytes else None
+    host = HostTier(host_bytes, memory=host_memory_for(pool.device)) if host_bytes else None
     from reuse_server.kv.tiers.reads import read_buffer  # pinned for a CUDA pool: its loads copy asynchronously
 
     disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue,
