@@ -75,6 +75,13 @@ def hold_one_block(engine) -> int:
     return held
 
 
+def test_the_flag_reaches_the_engine_config_and_is_off_by_default():
+    from reuse_server.server.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["serve", "--cuda-graphs", "--device", "cuda"])).cuda_graphs
+    assert not engine_config(build_parser().parse_args(["serve"])).cuda_graphs
+
+
 def engine_pair(path):
     """(dynamic engine, static engine) on the same weights, each with one block held out of its cache (the
     static one's scratch block; the dynamic one's held alike, so both hand out the same block ids)."""
