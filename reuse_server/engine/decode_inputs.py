@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -56,12 +57,20 @@ def is_triton_kernel(kernel) -> bool:
 
 @dataclass
 class StaticStep:
-    """One step on the static buffers: `rows` real rows, padded to `bucket`."""
+    """One step on the static buffers: `rows` real rows, padded to `bucket`. Its metadata is built only where
+    the forward runs eagerly (a graph's replay needs none: it is the metadata's Python work a replay saves)."""
     rows: int
     bucket: int
     input_ids: torch.Tensor  # [bucket] views of the buffers
     positions: torch.Tensor
-    meta: AttentionMetadata
+    _build_meta: Callable[[], AttentionMetadata]
+    _meta: AttentionMetadata | None = None
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        if self._meta is None:
+            self._meta = self._build_meta()
+        return self._meta
 
 
 class StaticTritonPlan:
@@ -135,27 +144,27 @@ class StaticDecodeInputs:
         copy and returns the step on views of the buffers. kernel: the model's attention kernel
         (model.backend.attention): a Triton one gets its plan on the buffers; any other plans for itself."""
         triton = self._triton is not None and is_triton_kernel(kernel)
-        n, bs = len(spans), self.block_size
+        n, bs, pad = len(spans), self.block_size, bucket - len(spans)
         if self._sent is not None:
             self._sent.synchronize()  # the previous step's copy has read the host buffer
             self._sent = None
-        host = self._host
-        ids, positions, slots, context = (self._part(host, i) for i in range(4))
-        tables = self._tables(host)
-        rows = spans
-        pad = bucket - n
-        ids[:bucket] = torch.tensor([s[0] for s in rows] + [0] * pad, dtype=torch.long)
-        positions[:bucket] = torch.tensor([s[1] for s in rows] + [0] * pad, dtype=torch.long)
-        slots[:bucket] = torch.tensor([s[2][s[1] // bs] * bs + s[1] % bs for s in rows]
-                                      + [self.scratch_block * bs] * pad, dtype=torch.long)
-        context[:bucket] = torch.tensor([s[3] for s in rows] + [1] * pad, dtype=torch.long)
-        for i, span in enumerate(rows):
+        fields = self._host[:4 * self.max_rows].view(4, self.max_rows)  # ids, positions, slots, context lengths
+        fields[:, :bucket] = torch.tensor([
+            [s[0] for s in spans] + [0] * pad,
+            [s[1] for s in spans] + [0] * pad,
+            [s[2][s[1] // bs] * bs + s[1] % bs for s in spans] + [self.scratch_block * bs] * pad,
+            [s[3] for s in spans] + [1] * pad], dtype=torch.long)
+        tables = self._tables(self._host)
+        for i, span in enumerate(spans):  # the columns after a table's end keep what they held: nothing reads them
             tables[i, :len(span[2])] = torch.tensor(span[2], dtype=torch.long)
         tables[n:bucket, 0] = self.scratch_block
         self._send(bucket, triton)
         self.loads[bucket] += 1
-        widths = [len(s[2]) for s in rows] + [1] * pad
-        return self._step(n, bucket, widths, [s[3] for s in rows] + [1] * pad, kernel if triton else None)
+        widths = [len(s[2]) for s in spans] + [1] * pad
+        positions = self._part(self._dev, 1)[:bucket]  # the very tensor the forward gets: plans are keyed on it
+        return StaticStep(n, bucket, self._part(self._dev, 0)[:bucket], positions,
+                          lambda: self._metadata(positions, widths, [s[3] for s in spans] + [1] * pad,
+                                                 kernel if triton else None))
 
     def padding(self, bucket: int, kernel=None) -> StaticStep:
         """A step of padding rows alone (what a graph is captured on)."""
@@ -174,18 +183,20 @@ class StaticDecodeInputs:
             self._tiles[:bucket, 2].copy_(self._part(self._dev, 3)[:bucket])
             self._tables32[:bucket * self.max_blocks].copy_(self._dev[4 * self.max_rows:end])
 
-    def _step(self, n: int, bucket: int, widths: list[int], context_lens: list[int], kernel) -> StaticStep:
-        dev, host = self._dev, self._host
-        dev_tables, host_tables = self._tables(dev), self._tables(host)
-        positions = self._part(dev, 1)[:bucket]
+    def _metadata(self, positions: torch.Tensor, widths: list[int], context_lens: list[int],
+                  kernel) -> AttentionMetadata:
+        """The step's AttentionMetadata on views of the buffers, with the Triton plan where `kernel` is one
+        (AttentionMetadata.cached keys it on `positions`, the step's own positions tensor)."""
+        bucket = positions.shape[0]
+        dev_tables, host_tables = self._tables(self._dev), self._tables(self._host)
         meta = AttentionMetadata(
             query_start=list(range(bucket + 1)),
             block_tables=[dev_tables[i, :w] for i, w in enumerate(widths)], context_lens=context_lens,
-            slot_mapping=self._part(dev, 2)[:bucket], host_positions=self._part(host, 1)[:bucket].clone(),
-            host_block_tables=[host_tables[i, :w].clone() for i, w in enumerate(widths)])
+            slot_mapping=self._part(self._dev, 2)[:bucket], host_positions=self._part(self._host, 1)[:bucket],
+            host_block_tables=[host_tables[i, :w] for i, w in enumerate(widths)])
         if kernel is not None:
             group, head_dim, kv_heads = self._triton
             plan = StaticTritonPlan(self._tiles[:bucket], self._tables32, positions, group, head_dim, kv_heads,
                                     self.max_blocks * self.block_size, kernel)
             meta.use_kernel_plan(positions, plan)
-        return StaticStep(n, bucket, self._part(dev, 0)[:bucket], positions, meta)
+        return meta

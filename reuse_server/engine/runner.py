@@ -63,8 +63,8 @@ class ModelRunner:
     its inputs afresh); graphs: the CUDA graphs captured on them (decode_graphs.py), replayed for the buckets
     they hold. `steps` counts the steps each way ran: dynamic, static (eager on the buffers), graph."""
 
-    def __init__(self, model, pool: KVPool, device: str = "cpu", decode_inputs: StaticDecodeInputs | None = None,
-                 ) -> None:
+    def __init__(self, model, pool: KVPool, device: str = "cpu",
+                 decode_inputs: StaticDecodeInputs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.block_size = pool.block_size

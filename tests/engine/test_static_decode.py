@@ -146,3 +146,30 @@ def test_a_batch_wider_than_the_buffers_or_a_table_longer_than_them_runs_dynamic
     assert static.runner.steps["static"] == 0
     run(static, [("long", [rng.randrange(3, vocab) for _ in range(11)], 4)])  # 12 to 14 tokens: 3 to 4 blocks
     assert static.runner.steps["static"] == 1 and static.runner.decode_inputs.loads == {1: 1}
+
+
+def test_a_triton_kernel_gets_its_plan_on_the_buffers_for_the_steps_own_positions():
+    """The forward looks the kernel's plan up by the positions tensor it is given: the static plan must be
+    the one found for the step's positions (else every layer would plan afresh, and a graph could not be
+    captured), with one tile per row, padding included, and the kernel's forced splits."""
+    pytest.importorskip("triton")
+    from reuse_server.engine.decode_inputs import StaticTritonPlan
+    from reuse_server.model.attention_triton import TritonAttentionKernel
+
+    inputs = StaticDecodeInputs(8, 4, BS, 30, "cpu", heads=(4, 2, 16))
+    step = inputs.load([(11, 5, [3, 4], 6), (12, 0, [7], 1), (13, 9, [1, 2, 5], 10)], 4, TritonAttentionKernel(splits=2))
+
+    def planned_afresh():
+        raise AssertionError("the step's plan was not found")
+
+    plan = step.meta.kernel_plan(step.positions, planned_afresh)
+    assert isinstance(plan, StaticTritonPlan) and plan.num_tiles == 4 and plan.splits_for(2) == 2
+    assert plan.tiles.tolist() == [[0, 1, 6, 0], [1, 2, 1, 4], [2, 3, 10, 8], [3, 4, 1, 12]]
+    assert plan.tables[:16].view(4, 4)[:, 0].tolist() == [3, 7, 1, 30] and plan.tables[8:11].tolist() == [1, 2, 5]
+    assert step.input_ids.tolist() == [11, 12, 13, 0] and step.positions.tolist() == [5, 0, 9, 0]
+    assert step.meta.slot_mapping.tolist() == [4 * 4 + 1, 7 * 4, 5 * 4 + 1, 30 * 4]
+    assert step.meta.context_lens == [6, 1, 10, 1]
+    # the torch attention plans for itself from the same metadata: no plan is handed to it
+    torch_step = inputs.load([(11, 5, [3, 4], 6)], 1, None)
+    assert torch_step.meta.kernel_plan(torch_step.positions, lambda: "its own") == "its own"
+
