@@ -14,6 +14,9 @@ HTTP stack, no model files): models are random weights in the shapes of Llama-3.
 - per model shape, `decode`: one decode step (ModelRunner.run and Sampler.sample, as the engine runs them) at
   batch 1/8/32 and 1k/8k context over distinct random KV in the pool, with `bound_ms`, the time the step's
   weight and KV bytes take at the measured copy speed (the goal: within 1.3x at batch 32, 8k, on the 8B);
+- per model shape, `decode_graphs`: --cuda-graphs on against off, a decode step at batch 1 and 8 and the
+  shortest context eager on the static buffers and replayed from its bucket's graph, the capture's seconds and
+  device memory, and whether both sampled the same tokens (the flag stays off by default until this is read);
 - per model shape, `engine` (LLMEngine.step, as the server's engine thread runs it): cold and warm time to
   first token of an 8k prompt (warm: the same prompt again, a prefix hit), and an 8k prompt of four
   precomputed chunks in another order, blended, against its full prefill;
