@@ -14,6 +14,9 @@ HTTP stack, no model files): models are random weights in the shapes of Llama-3.
 - per model shape, `decode`: one decode step (ModelRunner.run and Sampler.sample, as the engine runs them) at
   batch 1/8/32 and 1k/8k context over distinct random KV in the pool, with `bound_ms`, the time the step's
   weight and KV bytes take at the measured copy speed (the goal: within 1.3x at batch 32, 8k, on the 8B);
+- per model shape, `decode_graphs`: --cuda-graphs on against off, a decode step at batch 1 and 8 and the
+  shortest context eager on the static buffers and replayed from its bucket's graph, the capture's seconds and
+  device memory, and whether both sampled the same tokens (the flag stays off by default until this is read);
 - per model shape, `engine` (LLMEngine.step, as the server's engine thread runs it): cold and warm time to
   first token of an 8k prompt (warm: the same prompt again, a prefix hit), and an 8k prompt of four
   precomputed chunks in another order, blended, against its full prefill;
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
         loaded = built.pop("loaded")
         model_report["build"] = built
         model_report["decode"] = section(f"{name}: decode", decode_grid, loaded, device, sizes, copy_bps)
+        model_report["decode_graphs"] = section(f"{name}: decode graphs", decode_graphs, loaded, device, sizes)
         model_report["engine"] = section(f"{name}: engine", engine_figures, loaded, device, sizes)
         del loaded
         if device.type == "cuda":
@@ -280,20 +284,13 @@ def random_tokenizer(vocab_size: int):
     return ServedTokenizer(backend, {"eos_token": "<2>"}, None, Path(tempfile.gettempdir()))
 
 
-def decode_grid(built: Built, device: torch.device, sizes: Sizes, copy_bps: float) -> dict:
-    """One decode step per (batch, context), each sequence over KV blocks of its own filled with random KV."""
-    from reuse_server.engine.runner import ModelRunner
-    from reuse_server.engine.sampler import Sampler
-    from reuse_server.engine.sampling_params import SamplingParams
-    from reuse_server.engine.scheduler import StepSlice
-    from reuse_server.engine.sequence import Sequence
+def random_pool(built: Built, device: torch.device, num_blocks: int):
+    """A pool of num_blocks blocks in the model's KV shape, every slot of every layer random KV."""
     from reuse_server.kv import quant as kv_quant
     from reuse_server.kv.pool import KVPool
 
     mc = built.model_config
     dtype = next(built.model.parameters()).dtype
-    per_seq = -(-max(sizes.contexts) // BLOCK_SIZE)
-    num_blocks = max(sizes.batches) * per_seq + 1
     pool = KVPool(mc.num_layers, num_blocks, BLOCK_SIZE, mc.num_kv_heads, mc.head_dim,
                   kv_quant.pool_dtype("auto", dtype), str(device), read_dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(SEED)
@@ -304,18 +301,42 @@ def decode_grid(built: Built, device: torch.device, sizes: Sizes, copy_bps: floa
             k, v = (torch.randn(len(slots), mc.num_kv_heads, mc.head_dim, generator=gen, device=device, dtype=dtype)
                     for _ in range(2))
             pool.write(layer, slots, k, v)
+    return pool
+
+
+def decode_seqs(mc, batch: int, context: int, per_seq: int) -> list:
+    """`batch` sequences of `context` random tokens, each about to decode its last one over blocks of its own
+    (sequence i's from block 1 + i * per_seq: block 0 is left out)."""
+    from reuse_server.engine.sampling_params import SamplingParams
+    from reuse_server.engine.sequence import Sequence
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    seqs = []
+    for i in range(batch):
+        ids = torch.randint(3, mc.vocab_size, (context,), generator=torch.Generator().manual_seed(i)).tolist()
+        seq = Sequence(f"decode-{i}", ids, params)
+        seq.kv.block_table = list(range(1 + i * per_seq, 1 + i * per_seq + -(-context // BLOCK_SIZE)))
+        seq.kv.num_computed = context - 1
+        seqs.append(seq)
+    return seqs
+
+
+def decode_grid(built: Built, device: torch.device, sizes: Sizes, copy_bps: float) -> dict:
+    """One decode step per (batch, context), each sequence over KV blocks of its own filled with random KV."""
+    from reuse_server.engine.runner import ModelRunner
+    from reuse_server.engine.sampler import Sampler
+    from reuse_server.engine.sampling_params import SamplingParams
+    from reuse_server.engine.scheduler import StepSlice
+
+    mc = built.model_config
+    per_seq = -(-max(sizes.contexts) // BLOCK_SIZE)
+    pool = random_pool(built, device, max(sizes.batches) * per_seq + 1)
     runner, sampler = ModelRunner(built.model, pool, str(device)), Sampler()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     rows = []
     for context in sizes.contexts:
         for batch in sizes.batches:
-            seqs = []
-            for i in range(batch):
-                ids = torch.randint(3, mc.vocab_size, (context,), generator=torch.Generator().manual_seed(i)).tolist()
-                seq = Sequence(f"decode-{i}", ids, params)
-                seq.kv.block_table = list(range(1 + i * per_seq, 1 + i * per_seq + -(-context // BLOCK_SIZE)))
-                seq.kv.num_computed = context - 1
-                seqs.append(seq)
+            seqs = decode_seqs(mc, batch, context, per_seq)
 
             def step():
                 logits = runner.run([StepSlice(s, 1) for s in seqs], [True] * batch)
@@ -332,6 +353,70 @@ def decode_grid(built: Built, device: torch.device, sizes: Sizes, copy_bps: floa
             rows.append(row)
             print(f"gpu-check:   decode {row}", flush=True)
     return {"rows": rows, "pool_gib": round(pool.nbytes / 2**30, 2)}
+
+
+GRAPH_BATCHES = (1, 8)  # --cuda-graphs' rows: the bucket sizes decode steps replay most
+
+
+def decode_graphs(built: Built, device: torch.device, sizes: Sizes) -> dict:
+    """--cuda-graphs on against off: a decode step at batch 1 and 8 and the shortest context, on the static
+    buffers eagerly (the Triton attention, as --cuda-graphs off runs it) and replayed from the graph captured
+    for its bucket, with the capture's time and device memory and whether both sampled the same tokens. On
+    the CPU (--dry-run) the eager rows alone: graphs are CUDA's."""
+    from reuse_server.engine.decode_graphs import DecodeGraphs
+    from reuse_server.engine.decode_inputs import StaticDecodeInputs
+    from reuse_server.engine.runner import ModelRunner
+    from reuse_server.engine.sampler import Sampler
+    from reuse_server.engine.sampling_params import SamplingParams
+    from reuse_server.engine.scheduler import StepSlice
+    from reuse_server.model.attention_triton import runs_on
+
+    if not runs_on(device):
+        return {"error": f"the Triton attention does not run on {device} here (TRITON_INTERPRET=1 on the CPU)"}
+    mc, model = built.model_config, built.model
+    context = min(sizes.contexts)
+    per_seq = -(-context // BLOCK_SIZE)
+    pool = random_pool(built, device, max(GRAPH_BATCHES) * per_seq + 2)  # + block 0 and the scratch block
+    previous = model.backend.attention
+    model.use_triton_attention()
+    try:
+        inputs = StaticDecodeInputs(max(GRAPH_BATCHES), per_seq, BLOCK_SIZE, pool.num_blocks - 1, str(device),
+                                    (mc.num_heads, mc.num_kv_heads, mc.head_dim))
+        runner, sampler = ModelRunner(model, pool, str(device), inputs), Sampler()
+        out: dict = {"context": context, "buckets": inputs.buckets}
+        if device.type == "cuda":
+            start = time.perf_counter()
+            graphs = DecodeGraphs.capture(model, pool, inputs)
+            out.update(capture_seconds=round(time.perf_counter() - start, 2),
+                       capture_mib=round(graphs.memory_bytes / 2**20, 1))
+        else:
+            graphs, out["graphs"] = None, "CUDA only: the eager rows alone"
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        rows = []
+        for batch in GRAPH_BATCHES:
+            seqs = decode_seqs(mc, batch, context, per_seq)
+
+            def step():
+                logits = runner.run([StepSlice(s, 1) for s in seqs], [True] * batch)
+                return sampler.sample(logits, [s.sampling for s in seqs], [params] * batch)
+
+            runner.graphs = None
+            eager = timed(step, device, sizes.decode_repeats)
+            eager_tokens = step()
+            row = {"batch": batch, "eager_ms": round(statistics.median(eager) * 1e3, 3)}
+            if graphs is not None:
+                runner.graphs = graphs
+                replayed = timed(step, device, sizes.decode_repeats)
+                row.update(graph_ms=round(statistics.median(replayed) * 1e3, 3),
+                           speedup=round(statistics.median(eager) / statistics.median(replayed), 2),
+                           same_tokens=step() == eager_tokens)
+            rows.append(row)
+            print(f"gpu-check:   decode graphs {row}", flush=True)
+        out["rows"] = rows
+        out["steps"] = dict(runner.steps)
+        return out
+    finally:
+        model.backend.attention = previous
 
 
 def engine_figures(built: Built, device: torch.device, sizes: Sizes) -> dict:

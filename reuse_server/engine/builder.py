@@ -31,6 +31,8 @@ from reuse_server.kv.sizing import KVSizing
 from reuse_server.model.config import ModelConfig
 from reuse_server.model.loader import load_model, load_tokenizer, model_source, resolve_model
 from reuse_server.model.weight_dtype import choose as choose_weight_dtype
+from reuse_server.engine.decode_graphs import static_decode_problem
+from reuse_server.engine.decode_inputs import StaticDecodeInputs
 from reuse_server.engine.runner import ModelRunner
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.scheduler import Scheduler
@@ -112,7 +114,10 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
 
     sizing = size_kv_cache(config, mc, dtype)  # after the weights: what they hold is no longer available
     pool = build_pool(config, mc, kv_dtype, dtype, sizing.pool_bytes)
-    num_blocks = pool.num_blocks
+    static_decode = _static_decode(config, attention_backend, pool)
+    # static decode buffers pad a batch with rows that write a scratch block: the last, which the cache never
+    # hands out
+    num_blocks = pool.num_blocks - 1 if static_decode else pool.num_blocks
     sizing.pool_blocks, sizing.pool_tokens = num_blocks, num_blocks * bs
     if config.num_gpu_blocks:
         sizing.pool_bytes = pool.nbytes
@@ -151,8 +156,16 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     eos_ids = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     # the longest sequence the engine holds: the context, or the whole pool if smaller
+    longest = min(max_model_len, num_blocks * bs)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens, blender, config.enable_blend,
-                          config.dedup_prefill, eos_ids, min(max_model_len, num_blocks * bs))
+                          config.dedup_prefill, eos_ids, longest)
+    decode_inputs = None
+    if static_decode:
+        decode_inputs = StaticDecodeInputs(config.max_num_seqs, -(-longest // bs), bs, pool.num_blocks - 1,
+                                           config.device, (mc.num_heads, mc.num_kv_heads, mc.head_dim))
+    runner = ModelRunner(model, pool, config.device, decode_inputs)
+    if config.cuda_graphs:
+        runner.capture_graphs()
     parts = EngineParts(
         config=config, model=model, model_config=mc, tokenizer=tokenizer,
         names=model_names(config.model, config.served_model_name), weight_dtype=weight_dtype,
@@ -160,7 +173,7 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         attention_kernel=attention_kernel, attention_backend=attention_backend,
         max_model_len=max_model_len,
         pool=pool, sizing=sizing, cache=cache, blocks=blocks, chunk_index=chunk_index, blender=blender, scheduler=scheduler,
-        runner=ModelRunner(model, pool, config.device), sampler=Sampler(), tiers=tiers,
+        runner=runner, sampler=Sampler(), tiers=tiers,
         events=events)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
              identity.short, num_blocks, bs, kv_quant.spec(pool.dtype).name, pool.bytes_per_token, pool.nbytes / 2**20)
@@ -190,6 +203,15 @@ def _use_attention_backend(model, config: EngineConfig, dtype: torch.dtype) -> s
     if backend == "native" and on_cpu_fp32 and model.use_cpu_attention_kernel():
         return backend
     return "torch"
+
+
+def _static_decode(config: EngineConfig, attention_backend: str, pool) -> bool:
+    """Whether decode steps run on static input buffers (decode_inputs.py): with the Triton attention on a pool
+    of one layer group (and so wherever --cuda-graphs replays them, which needs them)."""
+    problem = static_decode_problem(pool)
+    if config.cuda_graphs and problem:
+        raise ValueError(f"--cuda-graphs: {problem}")
+    return attention_backend == "triton" and problem is None
 
 
 def build_pool(config: EngineConfig, mc: ModelConfig, kv_dtype, dtype, memory: int) -> "KVPool | LayeredKVPool":
@@ -238,6 +260,7 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint, 
     if not (host_bytes or config.disk_cache_dir or config.redis_url):
         return None
     from reuse_server.kv.tiers import BlobContext, DiskTier, HostTier, KVTiers, RedisTier
+    from reuse_server.kv.tiers.host_memory import host_memory_for
 
     tier_dtype = None if config.tier_kv_dtype == "auto" else kv_quant.storage_dtype(config.tier_kv_dtype)
     layout = pool.layout_for(tier_dtype)
@@ -248,7 +271,7 @@ def build_tiers(config: EngineConfig, pool: KVPool, identity: ModelFingerprint, 
     # A writer's queue takes the blocks of two full steps: a prompt as long as a step is written through
     # whole even while the step before it is still being written (past the bound, blocks are dropped)
     queue = max(MIN_WRITE_QUEUE_BYTES, 2 * config.max_num_batched_tokens // pool.block_size * layout.nbytes)
-    host = HostTier(host_bytes) if host_bytes else None
+    host = HostTier(host_bytes, memory=host_memory_for(pool.device)) if host_bytes else None
     from reuse_server.kv.tiers.reads import read_buffer  # pinned for a CUDA pool: its loads copy asynchronously
 
     disk = (DiskTier(Path(config.disk_cache_dir), config.disk_cache_size, ctx, max_queue_bytes=queue,

@@ -22,6 +22,18 @@ def resolve_attention_backend(name: str, device: str) -> str:
         # any other device (a test's fake one, mps) gets the torch path, which runs wherever torch does
         return {"cpu": "native", "cuda": "triton"}.get(device.split(":")[0], "torch")
     return name
+def cuda_graphs_problem(device: str, attention_backend: str) -> str | None:
+    """Why --cuda-graphs cannot run with these settings, or None. Graphs capture CUDA work; the step they
+    capture must read nothing back to the host, which only the Triton attention's plan on static buffers
+    ensures (the torch path plans its masks and gathers from host lists every step)."""
+    if device.split(":")[0] != "cuda":
+        return f"--cuda-graphs captures CUDA graphs of the decode step: it needs a CUDA device, not {device}"
+    if resolve_attention_backend(attention_backend, device) != "triton":
+        return (f"--cuda-graphs replays the paged Triton attention; --attention-backend {attention_backend} "
+                f"cannot be captured (use triton or auto)")
+    return None
+
+
 ACTIVATION_DTYPES = ("fp32", "int8")  # --activation-dtype (model/quant_linear.py)
 
 
@@ -58,6 +70,9 @@ class EngineConfig:
     # torch (F.linear)
     cpu_matmul: str = "native"
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
+    # capture a CUDA graph of the decode step per batch-size bucket at start and replay it (decode_graphs.py);
+    # CUDA with the Triton attention only. Off until measured.
+    cuda_graphs: bool = False
     block_size: int = 16
     num_gpu_blocks: int | None = None  # exact pool size in blocks; overrides kv_cache_memory
     # bytes for the KV pool; AUTO: sized at start from the machine (kv/sizing.py: a share of the RAM available
@@ -138,6 +153,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"unknown attention_backend {self.attention_backend!r}; choose "
                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.cuda_graphs:
+            graphs_problem = cuda_graphs_problem(self.device, self.attention_backend)
+            if graphs_problem:
+                problems.append(graphs_problem)
         try:
             check_block_size(self.block_size)
         except ValueError as exc:

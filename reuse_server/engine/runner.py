@@ -2,8 +2,12 @@
 prefill slices alike) into one forward, write their KV, return the logits of the rows that are sampled."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
+from reuse_server.engine.decode_graphs import DecodeGraphs
+from reuse_server.engine.decode_inputs import StaticDecodeInputs, is_plain_decode
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
 from reuse_server.model.llama import RowSelection
@@ -55,12 +59,28 @@ class StepRows(RowSelection):
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, device: str = "cpu") -> None:
+    """decode_inputs: the static buffers plain decode steps run on (decode_inputs.py; None: every step builds
+    its inputs afresh); graphs: the CUDA graphs captured on them (decode_graphs.py), replayed for the buckets
+    they hold. `steps` counts the steps each way ran: dynamic, static (eager on the buffers), graph."""
+
+    def __init__(self, model, pool: KVPool, device: str = "cpu",
+                 decode_inputs: StaticDecodeInputs | None = None) -> None:
         self.model = model
         self.pool = pool
         self.block_size = pool.block_size
         self.device = torch.device(device)
         self.num_layers = len(model.layers)
+        self.decode_inputs = decode_inputs
+        self.graphs: DecodeGraphs | None = None
+        self.steps: Counter[str] = Counter()
+
+    def capture_graphs(self) -> DecodeGraphs:
+        """Capture a CUDA graph of the decode step per bucket of the static buffers (after the pool is
+        allocated: the graphs' activations come out of what is left); plain decode steps replay them."""
+        if self.decode_inputs is None:
+            raise ValueError("CUDA graphs replay decode steps on static input buffers; this runner has none")
+        self.graphs = DecodeGraphs.capture(self.model, self.pool, self.decode_inputs)
+        return self.graphs
 
     def _inputs(self, spans: list[tuple[list[int], list[int], list[int], int]]):
         """spans: per sequence (its token ids, their positions, its block table, its context length). Everything
@@ -102,6 +122,11 @@ class ModelRunner:
         """Compute the slices' KV; return logits [k, vocab] for the slices flagged in want_logits (in order).
         selections: slice index -> the blending.SliceSelection of a blended slice."""
         selections = selections or {}
+        if self.decode_inputs is not None and is_plain_decode(slices, want_logits, selections):
+            bucket = self.decode_inputs.fits([piece.seq.block_table for piece in slices])
+            if bucket is not None:
+                return self._run_static(slices, bucket)
+        self.steps["dynamic"] += 1
         spans, bounds, output_rows = [], [], []
         for i, (piece, want) in enumerate(zip(slices, want_logits)):
             seq = piece.seq
@@ -120,6 +145,22 @@ class ModelRunner:
         select = StepRows(bounds, selections, torch.tensor(output_rows, dtype=torch.long), self.num_layers)
         hidden = self.model(input_ids, positions, meta, self.pool, select)
         return self.model.compute_logits(hidden) if output_rows else None
+
+    def _run_static(self, slices: list[StepSlice], bucket: int) -> torch.Tensor:
+        """A plain decode step on the static buffers, padded to `bucket`: the bucket's graph replayed where
+        one was captured, else the forward eagerly on the buffers' views. Returns the real rows' logits."""
+        spans = []
+        for piece in slices:
+            seq = piece.seq
+            at = seq.num_computed
+            spans.append((seq.token_ids[at], at, seq.block_table, at + 1))
+        step = self.decode_inputs.load(spans, bucket, self.model.backend.attention)
+        if self.graphs is not None and self.graphs.holds(bucket):
+            self.steps["graph"] += 1
+            return self.graphs.replay(bucket)[:step.rows]
+        self.steps["static"] += 1
+        hidden = self.model(step.input_ids, step.positions, step.meta, self.pool, None)
+        return self.model.compute_logits(hidden)[:step.rows]
 
     @torch.inference_mode()
     def observe(self, seq, positions: list[int], observer: RowSelection) -> None:

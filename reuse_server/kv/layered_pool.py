@@ -190,13 +190,17 @@ class LayeredKVPool:
             copied.synchronize()
         return buffers
 
-    def export_blocks_async(self, blocks: list[int], as_dtype=None):
-        """Blocks with their window parts (exportable) as [full-layer bytes | window-layer bytes] rows."""
+    def export_blocks_async(self, blocks: list[int], as_dtype=None, into=None):
+        """Blocks with their window parts (exportable) as [full-layer bytes | window-layer bytes] rows, in
+        `into`'s memory (kv.tiers.host_memory) where given."""
         full, copied = self.full.export_blocks_async(blocks, as_dtype)
         if copied is not None:
             copied.synchronize()
         window = self.windowed.export_blocks(self._parts(blocks), as_dtype)
-        return torch.cat([full, window], 1), None
+        if into is None:
+            return torch.cat([full, window], 1), None
+        out = into.empty((full.shape[0], full.shape[1] + window.shape[1]), full.dtype)
+        return torch.cat([full, window], 1, out=out), None
 
     def import_blocks(self, blocks: list[int], data: torch.Tensor, layout: GroupedLayout | None = None) -> None:
         """Rows of export_blocks into blocks that have window parts."""

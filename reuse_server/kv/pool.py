@@ -378,13 +378,14 @@ class KVPool:
             copied.synchronize()
         return buffers
 
-    def export_blocks_async(self, blocks: list[int],
-                            as_dtype: "torch.dtype | str | None" = None) -> "tuple[torch.Tensor, StagedCopy | None]":
+    def export_blocks_async(self, blocks: list[int], as_dtype: "torch.dtype | str | None" = None,
+                            into=None) -> "tuple[torch.Tensor, StagedCopy | PinnedCopy | None]":
         """export_blocks without waiting for the device: on CUDA the blocks are gathered on the device (so their
         ids may be reused by the next step at once: the stream orders that write after the gather) and copied
-        to the host through the pool's pinned staging buffer asynchronously. Returns (buffers, copied): the
-        buffers may be read only once copied.synchronize() returns (None: ready now, as on the CPU, where the
-        pool already is host memory)."""
+        to the host through the pool's pinned staging buffer asynchronously, or straight into pinned buffers
+        of their own where `into` (kv.tiers.host_memory: the host tier's memory) is pinned. Returns (buffers,
+        copied): the buffers may be read only once copied.synchronize() returns (None: ready now, as on the
+        CPU, where the pool already is host memory)."""
         if self._scales is None and self.layout_for(as_dtype) == self.layout:
             packed = self._gather_runs(blocks)
         else:
@@ -394,6 +395,8 @@ class KVPool:
             packed = block_codec.pack(values, scales, self.layout, self.layout_for(as_dtype))
         if self.device.type != "cuda":
             return packed.cpu(), None
+        if into is not None and into.pinned:
+            return copy_to_pinned(packed, into)
         if self._staging is None:
             self._staging = PinnedStaging()
         return self._staging.copy_out(packed)
@@ -518,6 +521,26 @@ class StagedCopy:
             self._event.synchronize()
             self._out.copy_(self._staged)
             self._staged = None  # the staging buffer may now be reused
+
+
+class PinnedCopy:
+    """One export's device -> host copy straight into pinned buffers the tier keeps: `synchronize()` waits for
+    it (nothing to move on)."""
+
+    def __init__(self, event: "torch.cuda.Event"):
+        self._event = event
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+def copy_to_pinned(packed: torch.Tensor, memory) -> tuple[torch.Tensor, PinnedCopy]:
+    """packed (on the device) into a new buffer of pinned `memory`, asynchronously."""
+    out = memory.empty(tuple(packed.shape), packed.dtype)
+    out.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return out, PinnedCopy(event)
 
 
 class PinnedStaging:

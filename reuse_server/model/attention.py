@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
+KERNEL_PLAN = "kernel_plan"  # the cached() key of the attention kernel's plan
+
+
 @dataclass
 class AttentionMetadata:
     # A flattened batch: T query tokens from S sequences; sequence s owns tokens query_start[s]:query_start[s+1].
@@ -75,6 +78,16 @@ class AttentionMetadata:
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
+
+    def kernel_plan(self, positions: torch.Tensor, build):
+        """The attention kernel's plan of this step (model.backend.attention.plan), built once per positions
+        tensor and shared by every layer."""
+        return self.cached(positions, KERNEL_PLAN, build)
+
+    def use_kernel_plan(self, positions: torch.Tensor, plan) -> None:
+        """Give the step a plan built beforehand (engine/decode_inputs.py: one on static buffers, which a
+        CUDA graph replays), which kernel_plan then returns instead of building one."""
+        self.cached(positions, KERNEL_PLAN, lambda: plan)
 
     def leading_run(self, pool, s: int) -> tuple[int, int]:
         """(first block id, number of blocks) of the consecutive block ids that start sequence s's table,

@@ -107,7 +107,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         kernel = self.backend.attention
         if kernel is not None and kernel.takes(q, layer_pool):
-            plan = layer_meta.cached(positions, "kernel_plan", lambda: kernel.plan(
+            plan = layer_meta.kernel_plan(positions, lambda: kernel.plan(
                 layer_meta, positions, layer_pool, self.num_heads))
             out = kernel(q, plan, layer_pool, index, self.scale, self.sliding_window)
         else:

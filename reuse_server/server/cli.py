@@ -11,7 +11,8 @@ from reuse_server.server.openmp import apply_short_spin  # torch-free
 
 apply_short_spin()  # before torch is imported: see reuse_server/server/openmp.py
 
-from reuse_server.engine.config import ACTIVATION_DTYPES, ATTENTION_BACKENDS, EngineConfig  # noqa: E402
+from reuse_server.engine.config import (  # noqa: E402
+    ACTIVATION_DTYPES, ATTENTION_BACKENDS, EngineConfig, cuda_graphs_problem)
 from reuse_server.kv.layout import KV_DTYPE_CHOICES  # noqa: E402  (torch-free)
 from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT  # noqa: E402  (torch-free)
 from reuse_server.kv.sizing import AUTO, CPU_CEILING, CPU_FLOOR, CPU_RESERVE, Auto  # noqa: E402  (torch-free)
@@ -222,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "built); torch: torch's scaled_dot_product_attention on gathered K/V; triton: the paged "
                             "Triton kernel reading K/V in place (CUDA; on the CPU only in Triton's interpreter, "
                             "TRITON_INTERPRET=1, slow, for checking); auto: native on the CPU, triton on CUDA")
+    serve.add_argument("--cuda-graphs", action="store_true", default=defaults.cuda_graphs,
+                       help="capture a CUDA graph of the decode step per batch-size bucket (1, 2, 4, 8, then "
+                            "every 16 up to --max-num-seqs) at start and replay it for decode-only steps; "
+                            "prefill, mixed steps and blending run eagerly. CUDA with the Triton attention "
+                            "only (default: off)")
     serve.add_argument("--cpu-attention", dest="attention_backend", choices=["native", "torch"],
                        help="the former name of --attention-backend's native and torch (default: auto)")
     serve.add_argument("--block-size", type=block_size, default=defaults.block_size,
@@ -433,7 +439,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype, kv_dtype=args.kv_dtype,
-        cpu_matmul=args.cpu_matmul, attention_backend=args.attention_backend, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        cpu_matmul=args.cpu_matmul, attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         kv_cache_memory=args.kv_cache_memory, kv_cache_share=args.kv_cache_share,
         gpu_memory_utilization=args.gpu_memory_utilization, window_kv_share=args.window_kv_share or None,
         num_window_blocks=args.num_window_blocks,
@@ -524,7 +531,8 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # bad flags: argparse prints usage and a message, exits 2
     if args.command == "serve":
-        problem = blend_flags_problem(args) or key_flags_problem(args)
+        problem = blend_flags_problem(args) or key_flags_problem(args) or (
+            cuda_graphs_problem(args.device, args.attention_backend) if args.cuda_graphs else None)
         if problem:
             args.command_parser.error(problem)
         return serve(args)

@@ -20,7 +20,7 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--blend-recompute-ratio", "--blend-check-layers", "--blend-gradual-factors", "--blend-score",
          "--blend-first-tokens", "--blend-query-weight", "--blend-min-tokens", "--blend-separator", "--api-key",
          "--api-key-file", "--admin-api-key", "--max-waiting", "--request-timeout", "--step-timeout",
-         "--shutdown-timeout"]
+         "--shutdown-timeout", "--cuda-graphs"]
 
 
 def test_help_documents_every_flag_with_its_default(capsys):
@@ -138,6 +138,8 @@ def test_parse_size(text, size):
     (["--request-timeout", "0"], "> 0"),
     (["--shutdown-timeout", "-1"], ">= 0"),
     (["--step-timeout", "-1"], ">= 0"),
+    (["--cuda-graphs"], "--cuda-graphs captures CUDA graphs of the decode step: it needs a CUDA device, not cpu"),
+    (["--cuda-graphs", "--device", "cuda", "--attention-backend", "torch"], "cannot be captured"),
 ])
 def test_bad_flags_exit_2_with_a_message(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_:

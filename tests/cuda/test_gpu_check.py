@@ -56,6 +56,9 @@ def test_dry_run_runs_every_section_on_the_cpu_without_the_http_stack(tmp_path):
         grid = {(r["batch"], r["context"]) for r in model["decode"]["rows"]}
         assert grid == {(b, c) for b in (1, 8, 32) for c in (64, 256)}, name
         assert all(r["step_ms"] > 0 and r["bound_ms"] > 0 for r in model["decode"]["rows"])
+        graphs = model["decode_graphs"]  # --cuda-graphs on against off: on the CPU the eager rows alone
+        assert "error" not in graphs and [r["batch"] for r in graphs["rows"]] == [1, 8], name
+        assert all(r["eager_ms"] > 0 for r in graphs["rows"]) and graphs["steps"] == {"static": 2 * (2 + 2 + 1)}
         engine = model["engine"]
         n = engine["prompt_tokens"]
         assert engine["cold_cached_tokens"] == 0

@@ -99,6 +99,28 @@ def test_a_mixed_batch_matches_the_torch_path(llama):
     assert_same(run_to_end(tri, reqs), run_to_end(ref, reqs))
 
 
+def test_decode_steps_on_the_static_buffers_match_the_dynamic_inputs(llama):
+    """The Triton engine decodes on static buffers padded to buckets (engine/decode_inputs.py) by default:
+    against the same engine building each step's inputs afresh, batches of 3, 2 and 1 rows (buckets 4, 2, 1)."""
+    seed = SEED + 3
+    print("seed", seed)
+    cfg = dict(model=str(llama), device=DEVICE, attention_backend="triton", block_size=BS, num_gpu_blocks=64,
+               max_num_seqs=4, max_num_batched_tokens=64, blend_key_shift=False)
+    static, dynamic = build_engine(EngineConfig(**cfg)), build_engine(EngineConfig(**cfg))
+    assert static.runner.decode_inputs is not None and static.cache.num_blocks == static.pool.num_blocks - 1
+    dynamic.runner.decode_inputs = None
+    got = {}
+    for name, engine in (("static", static), ("dynamic", dynamic)):
+        for i in range(3):
+            prompt = [random.Random(seed + i).randrange(3, engine.vocab_size) for _ in range(5 + 4 * i)]
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2 + i, temperature=0.0, logprobs=3,
+                                                               ignore_eos=True))
+        got[name] = drain(engine)
+    assert_same(got["static"], got["dynamic"])
+    assert static.runner.steps["static"] >= 3 and dynamic.runner.steps["static"] == 0
+    assert {4, 2, 1} <= set(static.runner.decode_inputs.loads)
+
+
 def test_split_kv_decode_matches_the_torch_path(llama):
     """The split-KV parts and their merge in the engine's decode steps (forced, with key tiles small enough
     for these short contexts to give every part keys)."""

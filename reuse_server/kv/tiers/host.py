@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from reuse_server.kv.tiers.blob import BlockEntry
+from reuse_server.kv.tiers.host_memory import PageableMemory
 from reuse_server.kv.tiers.stats import TierStats
 
 
@@ -39,8 +40,12 @@ def _buffer_of(entry: BlockEntry) -> tuple[int, int]:
 class HostTier:
     name = "host"
 
-    def __init__(self, capacity_bytes: int, on_evict: Callable[[list[BlockEntry]], None] | None = None):
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[list[BlockEntry]], None] | None = None,
+                 memory: PageableMemory | None = None):
+        """memory: what entries are kept in (host_memory_for the pool's device; plain memory if None): exports
+        for this tier are made in it (KVTiers), and a row copied out of its batch goes into it too."""
         self.capacity_bytes = capacity_bytes
+        self.memory = memory or PageableMemory()
         self.on_evict = on_evict  # write-back: where entries pushed out of RAM go next
         self.stats = TierStats()
         self._entries: OrderedDict[bytes, BlockEntry] = OrderedDict()
@@ -108,7 +113,7 @@ class HostTier:
                 if entry.nbytes > self.capacity_bytes:
                     continue
                 if _buffer_of(entry)[1] > self.capacity_bytes:  # its batch alone would not fit: keep the row alone
-                    entry = dataclasses.replace(entry, kv=entry.payload().clone(), copied=None)
+                    entry = dataclasses.replace(entry, kv=self.memory.copy(entry.payload()), copied=None)
                 self._drop(entry.hash)
                 self._entries[entry.hash] = entry
                 self._children.setdefault(entry.parent_hash, set()).add(entry.hash)
@@ -160,5 +165,5 @@ class HostTier:
         self._bytes -= batch.nbytes
         for h in batch.rows:  # replacing a key keeps its place in the LRU order
             row = self._entries[h]
-            self._entries[h] = dataclasses.replace(row, kv=row.payload().clone(), copied=None)
+            self._entries[h] = dataclasses.replace(row, kv=self.memory.copy(row.payload()), copied=None)
             self._hold(self._entries[h])

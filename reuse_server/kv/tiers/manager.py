@@ -118,7 +118,10 @@ class KVTiers:
         # second copy out of the pool would cost the hit's step its memcpy
         kept = self.host.peek([r.hash for r in records]) if self.host is not None else {}
         export = [r for r in records if r.hash not in kept]
-        kv, copied = self.pool.export_blocks_async([r.block_id for r in export], self.dtype) if export else ([], None)
+        # into the host tier's memory where it takes them (pinned beside a CUDA pool: the copy goes straight there)
+        into = self.host.memory if self.host is not None and self.host in targets else None
+        kv, copied = (self.pool.export_blocks_async([r.block_id for r in export], self.dtype, into) if export
+                      else ([], None))
         made = {r.hash: BlockEntry(r.hash, r.parent_hash, r.tokens, r.namespace, kv[i], copied)
                 for i, r in enumerate(export)}
         entries = [kept.get(r.hash) or made[r.hash] for r in records]
