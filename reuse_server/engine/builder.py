@@ -112,6 +112,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
 
     sizing = size_kv_cache(config, mc, dtype)  # after the weights: what they hold is no longer available
     pool = build_pool(config, mc, kv_dtype, dtype, sizing.pool_bytes)
+    if attention_backend == "triton":
+        pool.use_triton_kernels()  # the store (and an 8-bit pool's re-RoPE) in Triton beside its attention
     num_blocks = pool.num_blocks
     sizing.pool_blocks, sizing.pool_tokens = num_blocks, num_blocks * bs
     if config.num_gpu_blocks:
