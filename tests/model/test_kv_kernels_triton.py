@@ -178,3 +178,19 @@ def test_a_hybrid_pool_rotates_each_pool_with_its_own_layers_bases():
     for layer in range(3):
         step = 2 * max(ref.read(layer, moved)[0].abs().max().item(), 1e-6) / 127
         assert (ours.read(layer, moved)[0] - ref.read(layer, moved)[0]).abs().max().item() <= step
+
+
+def test_gpu_check_rows_compare_the_pool_kernels_with_the_torch_path():
+    """What `make gpu-check` records for the store and the 8-bit re-RoPE (benchmarks/gpu_check_kernels.py)."""
+    from benchmarks.gpu_check_kernels import CPU_REROPE_SHAPES, CPU_STORE_SHAPES, rerope_rows, store_rows
+
+    stores = store_rows(DEVICE, CPU_STORE_SHAPES, repeats=1)
+    assert [r["shape"]["kv_dtype"] for r in stores] == ["float32", "int8", "fp8_e4m3"]
+    assert all(r["kernel"] == "kv_store" and r["max_abs_err"] == 0.0 and r["seconds"] > 0 for r in stores)
+    fp32 = stores[0]  # 12 rows of K and V, 3 heads x 64 dims, fp32 in and out
+    assert fp32["kv_bytes_read"] == fp32["kv_bytes_written"] == 2 * 12 * 3 * 64 * 4
+    moves = rerope_rows(DEVICE, CPU_REROPE_SHAPES, repeats=1)
+    assert [r["kernel"] for r in moves] == ["rerope_8bit"] * 2
+    for row in moves:  # within a quantization step of keys of |x| up to ~5
+        assert 0 <= row["max_abs_err"] <= 0.1 and row["bytes_moved"] == row["kv_bytes_read"] + row["kv_bytes_written"]
+    assert moves[0]["kv_bytes_written"] == 2 * (12 * 3 * 64 + 12 * 3 * 4)  # int8 codes and scales, 2 layers
