@@ -98,10 +98,14 @@ class KeyMove:
     shift: KeyShift | None = None
 
     @property
-    def rotation(self) -> "KeyMove | None":
-        """This edit where it is a re-RoPE alone (no shift): a pool that rotates its keys in place (an 8-bit pool
-        through its Triton kernel) takes the positions and `inv_freq_table` from it instead of calling it."""
-        return self if self.shift is None else None
+    def in_place(self) -> "KeyMove":
+        """This edit as data, for a pool that applies it to its keys in place itself (an 8-bit pool through its
+        Triton kernel) instead of calling it on copies: the positions, `inv_freq_table` and `shift_table`."""
+        return self
+
+    def shift_table(self) -> torch.Tensor | None:
+        """The shift per layer before RoPE, [layers, kv_heads, head_dim] (None: no shift)."""
+        return None if self.shift is None else self.shift.k
 
     def inv_freq_table(self, num_layers: int) -> torch.Tensor:
         """inv_freq as [num_layers, d/2], row i layer i's."""

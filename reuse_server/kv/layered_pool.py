@@ -171,11 +171,11 @@ class LayeredKVPool:
         two pools' keys at slots as fp32 copies, changed together, written back."""
         if slots.numel() == 0:
             return
-        rotation = getattr(change, "rotation", None)
-        if rotation is not None and self.full.rotates_in_place and self.windowed.rotates_in_place:
-            # each pool rotates its own layers in place, with their rows of the inverse-frequency table
-            self.full.update_keys(slots, rotation.of_layers(self.full_layers, self.num_layers))
-            self.windowed.update_keys(self._window_slots(slots), rotation.of_layers(self.window_layers, self.num_layers))
+        move = getattr(change, "in_place", None)
+        if move is not None and self.full.rotates_in_place and self.windowed.rotates_in_place:
+            # each pool edits its own layers in place, with their rows of the inverse-frequency table and shift
+            self.full.update_keys(slots, move.of_layers(self.full_layers, self.num_layers))
+            self.windowed.update_keys(self._window_slots(slots), move.of_layers(self.window_layers, self.num_layers))
             return
         keys = [k.float().unsqueeze(1) for k in self.read_keys(slots)]
         change(keys, torch.arange(slots.shape[0], device=slots.device))

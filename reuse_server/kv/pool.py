@@ -307,7 +307,7 @@ class KVPool:
 
     @property
     def rotates_in_place(self) -> bool:
-        """Whether update_keys takes a re-RoPE alone into the Triton kernel (an 8-bit pool using it)."""
+        """Whether update_keys takes a KeyMove (re-RoPE, key shift) into the Triton kernel (an 8-bit pool using it)."""
         return self._triton and self.quantized
 
     def update_keys(self, slots: torch.Tensor, change) -> None:
@@ -317,21 +317,22 @@ class KVPool:
         for a plain dtype; for an 8-bit pool, dequantized fp32 copies of the keys at slots, which are then
         requantized with fresh scales (an fp8 block at the scale its old and new tokens need together); an fp16
         or bf16 pool also edits fp32 copies, so that a re-RoPE and a shift round the keys once. An 8-bit pool
-        with use_triton_kernels takes a change that is a re-RoPE alone (its `rotation`, blend's KeyMove) into
-        one Triton launch that rotates the codes in place, every layer (triton_rerope.py)."""
+        with use_triton_kernels takes a change that offers itself as data (`in_place`: blend's KeyMove, a
+        re-RoPE and maybe a shift) into one Triton launch that edits the codes in place, every layer
+        (triton_rerope.py)."""
         slots = self._slots(slots)
         if self.dtype == torch.float32:
             change([self._data[layer, K] for layer in range(self.num_layers)], slots)
             return
         if slots.numel() == 0:
             return
-        rotation = getattr(change, "rotation", None)  # blend's KeyMove, where it is a re-RoPE alone
-        if self.rotates_in_place and rotation is not None:
+        move = getattr(change, "in_place", None)  # blend's KeyMove as data
+        if self.rotates_in_place and move is not None:
             from reuse_server.kv import triton_rerope
 
-            triton_rerope.rerope_(self._data[:, K], self._scales[:, K], slots,
-                                  rotation.old_positions.to(self.device), rotation.new_positions.to(self.device),
-                                  rotation.inv_freq_table(self.num_layers))
+            triton_rerope.rerope_(self._data[:, K], self._scales[:, K], slots, move.old_positions.to(self.device),
+                                  move.new_positions.to(self.device), move.inv_freq_table(self.num_layers),
+                                  move.shift_table())
             self.kernel_launches["rerope"] += 1
             return
         data, scales = self._data[:, K], None if self._scales is None else self._scales[:, K]

@@ -10,7 +10,9 @@ the torch path's arithmetic:
 - int8 (a scale per slot and KV head): each moved (slot, head) row on its own;
 - fp8 (a scale per block and KV head): the slots sorted, the program of a block's first moved slot rewrites
   that block's KV head as a pool write does (kept tokens re-expressed where the block's scale changes).
-A pure rotation only: a key shift added at the new position goes through the torch path."""
+A key shift (blend/key_shift.py: a per-layer vector before RoPE, rotated to the new position and added) is added
+in the same pass, after the rotation, as the torch path adds it to its fp32 copies, so the keys are quantized
+once for both."""
 from __future__ import annotations
 
 import torch
@@ -34,11 +36,25 @@ def _rotated(x, partner, p_old, p_new, freq_ptr, d, d_ok, HALF: tl.constexpr, MA
 
 
 @triton.jit
+def _moved(x, partner, p_old, p_new, freq_ptr, shift_at, d, d_ok,
+           HALF: tl.constexpr, HEAD_DIM: tl.constexpr, MATCH_FP32: tl.constexpr, SHIFTED: tl.constexpr):
+    """Rows x [R, D] moved from p_old to p_new [R], and with SHIFTED the shift rows at shift_at ([R] pointers to
+    each row's head's shift) rotated to p_new (from 0, the model's own fp32 angles) and added."""
+    y = _rotated(x, partner, p_old, p_new, freq_ptr, d, d_ok, HALF, MATCH_FP32)
+    if SHIFTED:
+        shift = tl.load(shift_at[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+        shift_partner = tl.load(shift_at[:, None] + ((d + HALF) % HEAD_DIM)[None, :], mask=d_ok[None, :], other=0.0)
+        y = y + _rotated(shift, shift_partner, p_new * 0, p_new, freq_ptr, d, d_ok, HALF, True)
+    return y
+
+
+@triton.jit
 def _rerope_int8(
-    codes_ptr, scales_ptr, slots_ptr, old_ptr, new_ptr, freq_ptr, n_tokens,
+    codes_ptr, scales_ptr, slots_ptr, old_ptr, new_ptr, freq_ptr, shift_ptr, n_tokens,
     stride_cl, stride_cs, stride_ch, stride_sl, stride_ss, stride_sh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, MATCH_FP32: tl.constexpr,
+    SHIFTED: tl.constexpr,
 ):
     """Program (tile, layer): each row of the tile one moved (slot, KV head) of that layer."""
     layer = tl.program_id(1).to(tl.int64)
@@ -58,7 +74,9 @@ def _rerope_int8(
     old_scale = tl.load(scale_at, mask=row_ok, other=0.0)[:, None]
     x = tl.load(codes_ptr + at + d[None, :], mask=mask, other=0).to(tl.float32) * old_scale
     partner = tl.load(codes_ptr + at + ((d + HALF) % HEAD_DIM)[None, :], mask=mask, other=0).to(tl.float32)
-    y = _rotated(x, partner * old_scale, p_old, p_new, freq_ptr + layer * HALF, d, d_ok, HALF, MATCH_FP32)
+    shift_at = shift_ptr + (layer * NUM_HEADS + head) * HEAD_DIM
+    y = _moved(x, partner * old_scale, p_old, p_new, freq_ptr + layer * HALF, shift_at, d, d_ok, HALF, HEAD_DIM,
+               MATCH_FP32, SHIFTED)
     y = tl.where(mask, y, 0.0)
     scale = int8_scale(tl.max(tl.abs(y), axis=1))
     tl.store(codes_ptr + at + d[None, :], int8_codes(y, scale), mask=mask)
@@ -67,10 +85,10 @@ def _rerope_int8(
 
 @triton.jit
 def _rerope_fp8_blocks(
-    codes_ptr, scales_ptr, sorted_ptr, order_ptr, old_ptr, new_ptr, freq_ptr, n_tokens,
+    codes_ptr, scales_ptr, sorted_ptr, order_ptr, old_ptr, new_ptr, freq_ptr, shift_ptr, n_tokens,
     stride_cl, stride_cb, stride_cs, stride_ch, stride_sl, stride_sb, stride_sh,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, MATCH_FP32: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, MATCH_FP32: tl.constexpr, SHIFTED: tl.constexpr,
 ):
     """Program (t, head, layer): if sorted slot t is its block's first moved slot, rotates that block's moved
     keys of this KV head and layer and rewrites the block at the scale they and its kept keys need."""
@@ -91,16 +109,20 @@ def _rerope_fp8_blocks(
         moved_at = codes_at + offset.to(tl.int64)[:, None] * stride_cs
         x = e4m3_value(tl.load(moved_at + d[None, :], mask=mask, other=0).to(tl.int32)) * old_scale
         partner = e4m3_value(tl.load(moved_at + ((d + HALF) % HEAD_DIM)[None, :], mask=mask, other=0).to(tl.int32))
-        y = _rotated(x, partner * old_scale, p_old, p_new, freq_ptr + layer * HALF, d, d_ok, HALF, MATCH_FP32)
+        shift_at = shift_ptr + (layer * NUM_HEADS + head) * HEAD_DIM + row * 0
+        y = _moved(x, partner * old_scale, p_old, p_new, freq_ptr + layer * HALF, shift_at, d, d_ok, HALF,
+                   HEAD_DIM, MATCH_FP32, SHIFTED)
         fp8_block_put(y, ok, offset, codes_at, scale_at, stride_cs, d, d_ok, BLOCK_SIZE, BLOCK_S)
 
 
 def rerope_(keys: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, old_pos: torch.Tensor,
-            new_pos: torch.Tensor, inv_freq: torch.Tensor, *, match_fp32_angles: bool = True) -> None:
+            new_pos: torch.Tensor, inv_freq: torch.Tensor, shift: torch.Tensor | None = None, *,
+            match_fp32_angles: bool = True) -> None:
     """Move the keys at slots [n] (distinct) of every layer from old_pos to new_pos ([n] ints), in place: keys
     [layers, blocks, block_size, kv_heads, head_dim] int8 or float8_e4m3fn (a pool's K planes), scales
     [layers, blocks, block_size, kv_heads] (int8) or [layers, blocks, kv_heads] (fp8); inv_freq [layers,
-    head_dim / 2], row i layer i's. Everything on one device."""
+    head_dim / 2], row i layer i's; shift: None, or [layers, kv_heads, head_dim] (before RoPE) to add at new_pos.
+    Everything on one device."""
     n = slots.shape[0]
     if n == 0:
         return
@@ -112,14 +134,18 @@ def rerope_(keys: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, old_p
     freq = inv_freq.to(device=keys.device, dtype=torch.float32).contiguous()
     half, block_d = head_dim // 2, triton.next_power_of_2(head_dim)
     old_pos, new_pos = old_pos.contiguous(), new_pos.contiguous()
+    if shift is not None and shift.shape != (layers, kv_heads, head_dim):
+        raise ValueError(f"shift must be [{layers}, {kv_heads}, {head_dim}], got {tuple(shift.shape)}")
+    shifts = freq if shift is None else shift.to(device=keys.device, dtype=torch.float32).contiguous()
     if keys.dtype == FP8:
         sorted_slots, order = torch.sort(slots)
         _rerope_fp8_blocks[(n, kv_heads, layers)](
-            keys.view(torch.uint8), scales, sorted_slots, order, old_pos, new_pos, freq, n,
+            keys.view(torch.uint8), scales, sorted_slots, order, old_pos, new_pos, freq, shifts, n,
             keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
             scales.stride(0), scales.stride(1), scales.stride(2),
-            HEAD_DIM=head_dim, HALF=half, BLOCK_SIZE=block_size, BLOCK_S=triton.next_power_of_2(block_size),
-            BLOCK_D=block_d, MATCH_FP32=match_fp32_angles)
+            NUM_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_SIZE=block_size,
+            BLOCK_S=triton.next_power_of_2(block_size), BLOCK_D=block_d, MATCH_FP32=match_fp32_angles,
+            SHIFTED=shift is not None)
         return
     if keys.dtype != torch.int8:
         raise TypeError(f"an 8-bit pool's keys are int8 or float8_e4m3fn, got {keys.dtype}")
@@ -128,7 +154,7 @@ def rerope_(keys: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, old_p
     block_h = triton.next_power_of_2(kv_heads)
     block_t = max(1, min(64, 4096 // (block_h * block_d)))
     _rerope_int8[(triton.cdiv(n, block_t), layers)](
-        keys, scales, slots.contiguous(), old_pos, new_pos, freq, n,
+        keys, scales, slots.contiguous(), old_pos, new_pos, freq, shifts, n,
         keys.stride(0), keys.stride(2), keys.stride(3), scales.stride(0), scales.stride(2), scales.stride(3),
         NUM_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        MATCH_FP32=match_fp32_angles)
+        MATCH_FP32=match_fp32_angles, SHIFTED=shift is not None)

@@ -139,23 +139,34 @@ def test_rerope_in_place_matches_the_torch_path(dtype, block_size, heads, head_d
     assert torch.equal(by_block[:, untouched.to(DEVICE)], before[0][:, 0].view(torch.uint8)[:, untouched.to(DEVICE)])
 
 
-def test_a_move_with_a_key_shift_goes_through_the_torch_path():
-    """The kernel rotates only: a KeyMove that also adds a shift is edited in fp32 copies, as without it."""
-    print("seed", SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    ref, ours = filled(torch.int8, gen)
-    moved = torch.tensor([1, 2, 3, 17], device=DEVICE)
-    old, new = torch.tensor([1, 2, 3, 4]), torch.tensor([40, 41, 42, 43])
-    shift = KeyShift(torch.randn(2, 2, 64, generator=gen) * 0.1)
-    ref.update_keys(moved, moved_keys(old, new, default_inv_freq(64), shift))
-    ours.update_keys(moved, moved_keys(old, new, default_inv_freq(64), shift))
-    assert ours.kernel_launches["rerope"] == 0
-    assert_same_bytes(ours, ref)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_key_shift_is_added_in_the_same_pass(dtype):
+    """A KeyMove that also adds the key shift (rotated to each key's new position) is one launch too, and gives
+    the torch path's keys (rotate, add, in fp32 copies, quantize once) within a quantization step."""
+    seed = SEED + 5
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    shape = dict(layers=2, blocks=6, block_size=4, heads=2, head_dim=64)
+    ref, ours = filled(dtype, gen, **shape)
+    moved = torch.tensor([1, 2, 3, 17, 20], device=DEVICE)
+    old, new = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([40, 41, 42, 3000, 3001])
+    shift = KeyShift(torch.randn(2, 2, 64, generator=gen))
+    table = torch.stack([default_inv_freq(64, 1e4), default_inv_freq(64, 1e6)])
+    ref.update_keys(moved, moved_keys(old, new, table, shift))
+    ours.update_keys(moved, moved_keys(old, new, table, shift))
+    assert ours.kernel_launches["rerope"] == 1
+    everywhere = torch.arange(ref.num_slots, device=DEVICE)
+    ref_keys, our_keys = torch.stack(ref.read_keys(everywhere)), torch.stack(ours.read_keys(everywhere))
+    step = torch.maximum(quant_steps(ref), quant_steps(ours))
+    assert ((our_keys - ref_keys).abs() <= step * 1.01 + 1e-6).all()
+    unshifted = filled(dtype, torch.Generator().manual_seed(seed), **shape)[1]  # the same keys, moved unshifted
+    unshifted.update_keys(moved, moved_keys(old, new, table))
+    assert (torch.stack(unshifted.read_keys(everywhere)) - our_keys).abs().amax() > 10 * step.amax()
 
 
 def test_a_hybrid_pool_rotates_each_pool_with_its_own_layers_bases():
     """Gemma 3's layered pool: full-attention and window layers in two int8 pools, each moved in place with its
-    layers' rows of the table (window slots translated)."""
+    layers' rows of the table and of the key shift (window slots translated)."""
     seed = SEED + 3
     print("seed", seed)
     gen = torch.Generator().manual_seed(seed)
@@ -172,8 +183,9 @@ def test_a_hybrid_pool_rotates_each_pool_with_its_own_layers_bases():
         ours.write(layer, slots, k, v)
     table = torch.stack([default_inv_freq(32, base) for base in (1e4, 1e4, 1e6)])
     moved, old = slots[2:9], torch.arange(2, 9)
-    ref.update_keys(moved, moved_keys(old, old + 500, table))
-    ours.update_keys(moved, moved_keys(old, old + 500, table))
+    shift = KeyShift(torch.randn(3, 1, 32, generator=gen))  # each pool adds its own layers' rows
+    ref.update_keys(moved, moved_keys(old, old + 500, table, shift))
+    ours.update_keys(moved, moved_keys(old, old + 500, table, shift))
     assert ours.full.kernel_launches["rerope"] == 1 and ours.windowed.kernel_launches["rerope"] == 1
     for layer in range(3):
         step = 2 * max(ref.read(layer, moved)[0].abs().max().item(), 1e-6) / 127
