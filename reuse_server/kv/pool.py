@@ -257,7 +257,8 @@ class KVPool:
 
     # ---- writes ----------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [T, kv_heads, head_dim] at slots [T] (distinct), quantized to the pool's dtype."""
+        """Store k/v [T, kv_heads, head_dim] at slots [T] (distinct), quantized to the pool's dtype: through the
+        Triton store kernel with use_triton_kernels (the same bytes), else torch's ops or the C++ store."""
         slots = self._slots(slots)
         if self._triton:
             from reuse_server.kv import triton_store
