@@ -226,7 +226,11 @@ def kernels(device: torch.device, copy_bps: float) -> dict:
         return {"status": "kernels: not built", "why": str(exc)}
     rows = kernel_rows(device)
     for row in rows:
-        if copy_bps and row.get("kv_bytes_read") and row.get("seconds"):
+        if copy_bps and row.get("bytes_moved") and row.get("seconds"):  # the pool's kernels read and write
+            speed = row["bytes_moved"] / row["seconds"]
+            row["moved_gb_s"] = round(speed / 1e9, 1)
+            row["share_of_copy_speed"] = round(speed / copy_bps, 3)  # a copy's speed counts what it reads and writes
+        elif copy_bps and row.get("kv_bytes_read") and row.get("seconds"):
             speed = row["kv_bytes_read"] / row["seconds"]
             row["read_gb_s"] = round(speed / 1e9, 1)
             row["share_of_copy_speed"] = round(speed / (copy_bps / 2), 3)  # a copy reads half the bytes it moves

@@ -1,5 +1,11 @@
 """The paged Triton attention (model/attention_triton.py) against the torch path (model/attention.py) on given
-shapes: for `make gpu-check`, which calls kernel_rows(device) and puts the rows into its JSON.
+shapes, and the KV pool's Triton kernels against its torch path (kv/triton_store.py: a step's K/V into the
+pool, "kv_store"; kv/triton_rerope.py: an 8-bit pool's keys re-rotated in place, "rerope_8bit"): for `make
+gpu-check`, which calls kernel_rows(device) and puts the rows into its JSON.
+
+The pool kernels' rows: the shape, the largest |triton - torch| over what is read back (0 for the store: it
+writes the torch path's bytes), the median time, and the bytes the kernel reads and writes (kv_bytes_read,
+kv_bytes_written, their sum bytes_moved), values and scales.
 
 Each row: the kernel ("paged_decode": one new token per sequence; "paged_extend": a run of new rows after a
 cached prefix, causal), the shape, the largest |triton - torch| over the output, the kernel's median time
@@ -81,6 +87,7 @@ def kernel_rows(device: "torch.device | str", shapes: list[KernelShape] | None =
     if not runs_on(device):
         raise RuntimeError(f"the Triton kernels do not run on {device} in this process (the CPU needs "
                            "TRITON_INTERPRET=1 before triton is imported)")
+    pool_rows = shapes is None  # the defaults: the pool's kernels' rows too
     shapes = shapes if shapes is not None else (CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES)
     repeats = repeats or (20 if device.type == "cuda" else 1)
     kernel = TritonAttentionKernel()
@@ -102,7 +109,123 @@ def kernel_rows(device: "torch.device | str", shapes: list[KernelShape] | None =
                      "max_abs_err": (ours.float() - theirs.float()).abs().max().item(),
                      "seconds": statistics.median(times), "kv_bytes_read": kv_bytes_read(shape, pool)})
         del pool, meta, q, ours, theirs
+    if pool_rows:
+        on_gpu = device.type == "cuda"
+        rows += store_rows(device, STORE_SHAPES if on_gpu else CPU_STORE_SHAPES, repeats, seed)
+        rows += rerope_rows(device, REROPE_SHAPES if on_gpu else CPU_REROPE_SHAPES, repeats, seed)
     return rows
+
+
+@dataclass(frozen=True)
+class PoolKernelShape:
+    name: str
+    kv_heads: int
+    head_dim: int
+    tokens: int  # rows written (store) or keys moved (re-RoPE), at scattered slots
+    kv_dtype: str
+    dtype: str = "bfloat16"  # the rows written
+    layers: int = 1  # re-RoPE: every layer in one launch
+    block_size: int = 16
+
+
+STORE_SHAPES = [PoolKernelShape("llama-3.1-8b", 8, 128, tokens, kv_dtype)
+                for tokens in (32, 8192) for kv_dtype in ("bfloat16", "int8", "fp8_e4m3")]
+REROPE_SHAPES = [PoolKernelShape("llama-3.1-8b", 8, 128, 4096, kv_dtype, layers=32) for kv_dtype in ("int8", "fp8_e4m3")]
+CPU_STORE_SHAPES = [PoolKernelShape("smollm2-135m", 3, 64, 12, kv_dtype, dtype="float32", block_size=4)
+                    for kv_dtype in ("float32", "int8", "fp8_e4m3")]
+CPU_REROPE_SHAPES = [PoolKernelShape("smollm2-135m", 3, 64, 12, kv_dtype, dtype="float32", layers=2, block_size=4)
+                     for kv_dtype in ("int8", "fp8_e4m3")]
+
+
+def _pool_pair(shape: PoolKernelShape, device: torch.device, blocks: int) -> tuple[KVPool, KVPool]:
+    """(torch pool, Triton pool), both empty."""
+    ref, ours = (KVPool(shape.layers, blocks, shape.block_size, shape.kv_heads, shape.head_dim, shape.kv_dtype,
+                        device, read_dtype=getattr(torch, shape.dtype), native_store=False) for _ in range(2))
+    if not ours.use_triton_kernels():
+        raise RuntimeError(f"the pool's Triton kernels do not run on {device}")
+    return ref, ours
+
+
+def _scale_bytes(pool: KVPool, tokens: int) -> int:
+    """The scale bytes of `tokens` rows of one plane: int8's per slot, fp8's per block (one per written block
+    at most)."""
+    if pool.scale_per == "token":
+        return tokens * pool.num_kv_heads * 4
+    if pool.scale_per == "block":
+        return -(-tokens // pool.block_size) * pool.num_kv_heads * 4
+    return 0
+
+
+def store_rows(device: torch.device, shapes: list[PoolKernelShape], repeats: int, seed: int = 0) -> list[dict]:
+    """Per shape: a step's K and V rows into scattered slots of a layer (a fresh block for every block_size rows,
+    in random order) through KVPool.write, Triton against torch."""
+    rows = []
+    for shape in shapes:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        blocks = -(-shape.tokens // shape.block_size)
+        ref, ours = _pool_pair(shape, device, blocks)
+        order = torch.randperm(blocks, generator=gen, device=device)
+        offsets = torch.arange(shape.tokens, device=device)
+        slots = order[offsets // shape.block_size] * shape.block_size + offsets % shape.block_size
+        k, v = (torch.randn(shape.tokens, shape.kv_heads, shape.head_dim, generator=gen, device=device,
+                            dtype=getattr(torch, shape.dtype)) for _ in range(2))
+        ref.write(0, slots, k, v)
+        ours.write(0, slots, k, v)  # also the warm-up (compiles on a GPU)
+        every = torch.arange(ours.num_slots, device=device)
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours.read(0, every), ref.read(0, every)))
+        times = _timed(lambda: ours.write(0, slots, k, v), device, repeats)
+        values = shape.tokens * shape.kv_heads * shape.head_dim
+        read = 2 * values * k.element_size()
+        written = 2 * (values * ours._data.element_size() + _scale_bytes(ours, shape.tokens))
+        if ours.scale_per == "block":  # a block's kept tokens and scale are read too
+            read += 2 * (values * ours._data.element_size() + _scale_bytes(ours, shape.tokens))
+        rows.append({"kernel": "kv_store", "shape": asdict(shape), "max_abs_err": err,
+                     "seconds": statistics.median(times), "kv_bytes_read": read, "kv_bytes_written": written,
+                     "bytes_moved": read + written})
+    return rows
+
+
+def rerope_rows(device: torch.device, shapes: list[PoolKernelShape], repeats: int, seed: int = 0) -> list[dict]:
+    """Per shape: a moved chunk's keys (scattered slots, thousands of positions on) re-rotated in place in every
+    layer of an 8-bit pool through KVPool.update_keys, Triton against torch (dequantize, rotate, requantize)."""
+    from blend.key_shift import moved_keys
+    from blend.rope import default_inv_freq
+
+    rows = []
+    for shape in shapes:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        blocks = -(-shape.tokens // shape.block_size)
+        ref, ours = _pool_pair(shape, device, blocks)
+        every = torch.arange(ours.num_slots, device=device)
+        for layer in range(shape.layers):
+            k, v = (torch.randn(ours.num_slots, shape.kv_heads, shape.head_dim, generator=gen, device=device)
+                    for _ in range(2))
+            ref.write(layer, every, k, v)
+            ours.write(layer, every, k, v)
+        slots = torch.randperm(ours.num_slots, generator=gen, device=device)[:shape.tokens]
+        old = torch.arange(shape.tokens, device=device)
+        move = moved_keys(old, old + 5000, default_inv_freq(shape.head_dim).to(device))
+        ref.update_keys(slots, move)
+        ours.update_keys(slots, move)  # also the warm-up
+        err = max((a - b).abs().max().item() for a, b in zip(ours.read_keys(every), ref.read_keys(every)))
+        times = _timed(lambda: ours.update_keys(slots, move), device, repeats)
+        moved = shape.layers * (shape.tokens * shape.kv_heads * shape.head_dim + _scale_bytes(ours, shape.tokens))
+        read = moved * (1 if ours.scale_per == "token" else 2)  # fp8: the rotated block's kept keys are read too
+        rows.append({"kernel": "rerope_8bit", "shape": asdict(shape), "max_abs_err": err,
+                     "seconds": statistics.median(times), "kv_bytes_read": read, "kv_bytes_written": moved,
+                     "bytes_moved": read + moved})
+    return rows
+
+
+def _timed(run, device: torch.device, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def kv_bytes_read(shape: KernelShape, pool: KVPool) -> int:

@@ -86,18 +86,46 @@ class KeyShiftEstimate:
         return KeyShift((self.sum / self.tokens).float())
 
 
-def moved_keys(old_positions: torch.Tensor, new_positions: torch.Tensor, inv_freq: torch.Tensor,
-               shift: KeyShift | None = None):
+@dataclass(frozen=True)
+class KeyMove:
     """The key edit a reused chunk needs where it now sits, as the KV pool's `update_keys` takes it
     (`change(k_caches, slots)`): re-rotate from old_positions to new_positions and, with a shift, add it at
     new_positions, in one pass, so an 8-bit pool requantizes the moved keys once for both. inv_freq: [d/2] for
     every layer or [layers, d/2], each layer's own."""
-    def change(k_caches, slots: torch.Tensor) -> None:
+    old_positions: torch.Tensor
+    new_positions: torch.Tensor
+    inv_freq: torch.Tensor
+    shift: KeyShift | None = None
+
+    @property
+    def in_place(self) -> "KeyMove":
+        """This edit as data, for a pool that applies it to its keys in place itself (an 8-bit pool through its
+        Triton kernel) instead of calling it on copies: the positions, `inv_freq_table` and `shift_table`."""
+        return self
+
+    def shift_table(self) -> torch.Tensor | None:
+        """The shift per layer before RoPE, [layers, kv_heads, head_dim] (None: no shift)."""
+        return None if self.shift is None else self.shift.k
+
+    def inv_freq_table(self, num_layers: int) -> torch.Tensor:
+        """inv_freq as [num_layers, d/2], row i layer i's."""
+        return layer_inv_freq(self.inv_freq, num_layers)
+
+    def of_layers(self, layers: list[int], num_layers: int) -> "KeyMove":
+        """The same edit for a pool holding only `layers` of the model's num_layers (a hybrid model's two)."""
+        shift = None if self.shift is None else KeyShift(self.shift.k[layers])
+        return KeyMove(self.old_positions, self.new_positions, self.inv_freq_table(num_layers)[layers], shift)
+
+    def __call__(self, k_caches, slots: torch.Tensor) -> None:
         # The caller (the Blender) counts positions on the host; the pool hands slots on its own device, where
         # the rotation runs: the positions go over there, once for both edits.
-        old, new = old_positions.to(slots.device), new_positions.to(slots.device)
-        rerope_layers_(k_caches, slots, old, new, inv_freq.to(slots.device))
-        if shift is not None:
-            shift.apply_(k_caches, slots, new, inv_freq)
+        old, new = self.old_positions.to(slots.device), self.new_positions.to(slots.device)
+        rerope_layers_(k_caches, slots, old, new, self.inv_freq.to(slots.device))
+        if self.shift is not None:
+            self.shift.apply_(k_caches, slots, new, self.inv_freq)
 
-    return change
+
+def moved_keys(old_positions: torch.Tensor, new_positions: torch.Tensor, inv_freq: torch.Tensor,
+               shift: KeyShift | None = None) -> KeyMove:
+    """The KeyMove from old_positions to new_positions (with `shift` added there, if given)."""
+    return KeyMove(old_positions, new_positions, inv_freq, shift)

@@ -22,6 +22,23 @@ _TWO_PI = 6.283185307179586
 
 
 @triton.jit
+def rotation_cos_sin(p_old, p_new, f, MATCH_FP32: tl.constexpr):
+    """float32 cos and sin of the angles that move a key from p_old to p_new (int64) for inverse frequencies
+    f (float32), broadcast against each other: fl32(p_new*f) - fl32(p_old*f) in float64 (MATCH_FP32, the
+    model's own angle rounding) or (p_new - p_old)*f in float64, reduced to [-pi, pi) before float32. Shared by
+    every kernel that re-rotates keys (this module's, and the 8-bit pools' in reuse_server/kv/triton_rerope.py)."""
+    if MATCH_FP32:
+        a_new = p_new.to(tl.float32) * f
+        a_old = p_old.to(tl.float32) * f
+        ang = a_new.to(tl.float64) - a_old.to(tl.float64)
+    else:
+        ang = (p_new - p_old).to(tl.float64) * f.to(tl.float64)
+    ang = ang - _TWO_PI * tl.floor(ang / _TWO_PI + 0.5)
+    ang32 = ang.to(tl.float32)
+    return tl.cos(ang32), tl.sin(ang32)
+
+
+@triton.jit
 def _rerope_kernel(
     k_ptr,
     slots_ptr,
@@ -54,16 +71,7 @@ def _rerope_kernel(
     p_new = tl.load(new_pos_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
     f = tl.load(inv_freq_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
 
-    if MATCH_FP32:
-        a_new = p_new.to(tl.float32)[:, None] * f[None, :]
-        a_old = p_old.to(tl.float32)[:, None] * f[None, :]
-        ang = a_new.to(tl.float64) - a_old.to(tl.float64)
-    else:
-        ang = (p_new - p_old).to(tl.float64)[:, None] * f.to(tl.float64)[None, :]
-    ang = ang - _TWO_PI * tl.floor(ang / _TWO_PI + 0.5)
-    ang32 = ang.to(tl.float32)
-    cos = tl.cos(ang32)
-    sin = tl.sin(ang32)
+    cos, sin = rotation_cos_sin(p_old[:, None], p_new[:, None], f[None, :], MATCH_FP32)
 
     mask = row_ok[:, None] & d_ok[None, :]
     ptr1 = k_ptr + slot[:, None] * stride_slot + head.to(tl.int64)[:, None] * stride_head + d[None, :] * stride_dim

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = ["tests/model/test_attention_triton.py", "tests/engine/test_engine_triton.py"]
+FILES = ["tests/model/test_attention_triton.py", "tests/model/test_kv_kernels_triton.py",
+         "tests/engine/test_engine_triton.py"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU those tests run on it, in this process")

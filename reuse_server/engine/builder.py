@@ -114,6 +114,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
 
     sizing = size_kv_cache(config, mc, dtype)  # after the weights: what they hold is no longer available
     pool = build_pool(config, mc, kv_dtype, dtype, sizing.pool_bytes)
+    if attention_backend == "triton":
+        pool.use_triton_kernels()  # the store (and an 8-bit pool's re-RoPE) in Triton beside its attention
     static_decode = _static_decode(config, attention_backend, pool)
     # static decode buffers pad a batch with rows that write a scratch block: the last, which the cache never
     # hands out

@@ -88,6 +88,15 @@ class LayeredKVPool:
         self.quantized, self.scale_per = self.full.quantized, self.full.scale_per
         self.layout = GroupedLayout(self.full.layout, self.windowed.layout, self.full_layers, self.window_layers)
 
+    def use_triton_kernels(self, enable: bool = True) -> bool:
+        """KVPool.use_triton_kernels for both pools."""
+        return self.full.use_triton_kernels(enable) & self.windowed.use_triton_kernels(enable)
+
+    @property
+    def kernel_launches(self):
+        """Both pools' KVPool.kernel_launches, added up."""
+        return self.full.kernel_launches + self.windowed.kernel_launches
+
     @staticmethod
     def split_memory(memory_bytes: int, layer_windows: tuple, block_size: int, num_kv_heads: int, head_dim: int,
                      dtype, window_share: float) -> tuple[int, int]:
@@ -161,6 +170,12 @@ class LayeredKVPool:
         """KVPool.update_keys over every layer in model order (a re-RoPE's per-layer bases line up): the
         two pools' keys at slots as fp32 copies, changed together, written back."""
         if slots.numel() == 0:
+            return
+        move = getattr(change, "in_place", None)
+        if move is not None and self.full.rotates_in_place and self.windowed.rotates_in_place:
+            # each pool edits its own layers in place, with their rows of the inverse-frequency table and shift
+            self.full.update_keys(slots, move.of_layers(self.full_layers, self.num_layers))
+            self.windowed.update_keys(self._window_slots(slots), move.of_layers(self.window_layers, self.num_layers))
             return
         keys = [k.float().unsqueeze(1) for k in self.read_keys(slots)]
         change(keys, torch.arange(slots.shape[0], device=slots.device))

@@ -26,6 +26,7 @@ a block's scale never depends on a previous owner's tokens."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 
@@ -74,6 +75,9 @@ class KVPool:
                                  device=self.device)
         self._scales = None
         self._native_store = None
+        self._triton = False  # use_triton_kernels
+        # kernel launches by name ("store", "rerope"): what ran, for tests and the curious
+        self.kernel_launches: collections.Counter = collections.Counter()
         self._staging: PinnedStaging | None = None  # made at the first export from a CUDA pool
         self._plane_bytes = None  # the data as uint8 planes, for read_targets (made at its first call)
         if self.quantized and native_store and self.device.type == "cpu":
@@ -112,6 +116,18 @@ class KVPool:
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, read_dtype)
 
     layered = False
+
+    def use_triton_kernels(self, enable: bool = True) -> bool:
+        """Write K/V through the Triton store kernel (triton_store.py: one launch a layer for K and V, their
+        8-bit scales computed in it) and re-RoPE an 8-bit pool's keys in place (triton_rerope.py), as
+        `--attention-backend triton` does; False: torch's ops (or the C++ store). Returns whether the kernels
+        are in use: they run on CUDA, and on the CPU only in Triton's interpreter."""
+        self._triton = False
+        if enable:
+            from reuse_server.model.attention_triton import runs_on  # imports triton: only where asked for
+
+            self._triton = runs_on(self.device)
+        return self._triton
 
     def place(self, layer: int) -> tuple["KVPool", int]:
         """(the pool that holds `layer`, its index there): this pool, for every layer."""
@@ -163,9 +179,9 @@ class KVPool:
         """Every layer's K/V as stored, [layers, 2, blocks, block_size, kv_heads, head_dim], and its scales (as
         layer_scales lays them out, one more leading [layers, 2]; None for the plain dtypes): for the native
         decode (cpu_decode.cpp), which writes a step's K/V itself through the kernels `write` uses, so its writes
-        are `write`'s. None where `write` would not run those kernels: a pool off the CPU, an 8-bit one whose
-        store kernel is not built."""
-        if self.device.type != "cpu" or (self.quantized and self._native_store is None):
+        are `write`'s. None where `write` would not run those kernels: a pool off the CPU, one writing through
+        Triton (use_triton_kernels), an 8-bit one whose store kernel is not built."""
+        if self.device.type != "cpu" or self._triton or (self.quantized and self._native_store is None):
             return None
         return self._data, self._scales
 
@@ -241,8 +257,15 @@ class KVPool:
 
     # ---- writes ----------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [T, kv_heads, head_dim] at slots [T] (distinct), quantized to the pool's dtype."""
+        """Store k/v [T, kv_heads, head_dim] at slots [T] (distinct), quantized to the pool's dtype: through the
+        Triton store kernel with use_triton_kernels (the same bytes), else torch's ops or the C++ store."""
         slots = self._slots(slots)
+        if self._triton:
+            from reuse_server.kv import triton_store
+
+            triton_store.store(self._data[layer], None if self._scales is None else self._scales[layer], slots, k, v)
+            self.kernel_launches["store"] += 1
+            return
         if self.quantized:
             self._store_planes(self._data[layer], self._scales[layer], slots, torch.stack([k, v]))
             return
@@ -283,18 +306,35 @@ class KVPool:
             flat_scales = self._scales.view(self.num_layers, 2, self.num_slots, self.num_kv_heads)
             flat_scales[:, :, dst] = flat_scales[:, :, src]
 
+    @property
+    def rotates_in_place(self) -> bool:
+        """Whether update_keys takes a KeyMove (re-RoPE, key shift) into the Triton kernel (an 8-bit pool using it)."""
+        return self._triton and self.quantized
+
     def update_keys(self, slots: torch.Tensor, change) -> None:
         """change(k_caches, idx) edits, in place, the keys at idx of per-layer paged key caches ([blocks,
         block_size, kv_heads, head_dim] each, as blend's re-RoPE and key shift take them; the blender passes
         the change in, so the pool knows nothing of rotations): the pool's own
         for a plain dtype; for an 8-bit pool, dequantized fp32 copies of the keys at slots, which are then
         requantized with fresh scales (an fp8 block at the scale its old and new tokens need together); an fp16
-        or bf16 pool also edits fp32 copies, so that a re-RoPE and a shift round the keys once."""
+        or bf16 pool also edits fp32 copies, so that a re-RoPE and a shift round the keys once. An 8-bit pool
+        with use_triton_kernels takes a change that offers itself as data (`in_place`: blend's KeyMove, a
+        re-RoPE and maybe a shift) into one Triton launch that edits the codes in place, every layer
+        (triton_rerope.py)."""
         slots = self._slots(slots)
         if self.dtype == torch.float32:
             change([self._data[layer, K] for layer in range(self.num_layers)], slots)
             return
         if slots.numel() == 0:
+            return
+        move = getattr(change, "in_place", None)  # blend's KeyMove as data
+        if self.rotates_in_place and move is not None:
+            from reuse_server.kv import triton_rerope
+
+            triton_rerope.rerope_(self._data[:, K], self._scales[:, K], slots, move.old_positions.to(self.device),
+                                  move.new_positions.to(self.device), move.inv_freq_table(self.num_layers),
+                                  move.shift_table())
+            self.kernel_launches["rerope"] += 1
             return
         data, scales = self._data[:, K], None if self._scales is None else self._scales[:, K]
         keys = self._read_planes(data, scales, slots, torch.float32)  # [layers, n, heads, dim]

