@@ -8,7 +8,7 @@
 - `usage` (Usage): the scheduler alone: what the client is told about reuse (the engine reads it);
 - `detokenizer`: made by the engine when the request arrives, fed by the scheduler's update;
 - `sampling` (sampler.SamplerState): the sampler alone: the seeded generator, the grammar matcher;
-- `blend` (blender.BlendJob): the blender alone: a blended prefill in progress (None otherwise).
+- `blend` (blend_job.BlendJob): the blender alone: a blended prefill in progress (None otherwise).
 Nothing about a request is kept in a dict keyed by its id elsewhere; when the sequence goes, all of it goes."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 from reuse_server.kv.kv_sequence import KVState
 
 if TYPE_CHECKING:
-    from reuse_server.engine.blender import BlendJob
+    from reuse_server.engine.blend_job import BlendJob
 
 
 class SeqStatus(enum.Enum):
