@@ -7,17 +7,16 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from reuse_server.api.errors import install_error_handlers
+from reuse_server.api.metrics_page import MetricsPage
 from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
-from reuse_server.server.metrics import ServerMetrics
 from reuse_server.engine.structured_output import GrammarCompiler
 
 
-def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine, metrics: MetricsPage, settings: ServerSettings | None = None) -> FastAPI:
+    """metrics: what GET /metrics serves, built by the server and wired to the engine (server/metrics.py)."""
     settings = settings if settings is not None else ServerSettings()
-    metrics = metrics if metrics is not None else ServerMetrics(engine)
-    engine.metrics = metrics  # the engine reports TTFT and request ends to it
     tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, admit=engine.admit)
 
     @asynccontextmanager

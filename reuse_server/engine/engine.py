@@ -98,7 +98,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
         self.prefetches: list[Sequence] = []  # prefetches the pool could not take yet (see prefetch)
-        self.metrics = None  # ServerMetrics, attached by the server
+        self.metrics = None  # the server's metrics, attached by it (server/metrics.py: wire_metrics)
         self.clock = time.monotonic  # what prompt-cache pins expire by (tests pass their own)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)

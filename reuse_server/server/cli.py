@@ -100,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     from reuse_server.api.settings import ServerSettings
     from reuse_server.engine.async_engine import AsyncEngine
     from reuse_server.server.library_pages import release_library_pages
+    from reuse_server.server.metrics import wire_metrics
     from reuse_server.server.serving import DrainingServer
 
     from reuse_server.api.auth import ApiKeys
@@ -115,8 +116,8 @@ def serve(args: argparse.Namespace) -> int:
     from reuse_server.api.response_store import ResponseStore
     responses = ResponseStore(args.response_store_count, args.response_store_size, args.redis_url,
                               int(args.response_store_ttl), args.redis_timeout or 2.0)
-    app = create_app(engine, settings=ServerSettings(api_keys=keys, request_timeout=args.request_timeout,
-                                                     responses=responses))
+    settings = ServerSettings(api_keys=keys, request_timeout=args.request_timeout, responses=responses)
+    app = create_app(engine, wire_metrics(engine), settings=settings)
     # ws="none": no route takes a WebSocket, and uvicorn would otherwise import the websockets library
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="none")
     release_library_pages()  # the last start-up work is done: what requests use faults back in

@@ -79,7 +79,7 @@ def engine_class():
 
     from reuse_server.engine.async_engine import AsyncEngine
     from reuse_server.server.args import engine_config, parse_serve_flags
-    from reuse_server.server.metrics import ServerMetrics
+    from reuse_server.server.metrics import wire_metrics
 
     class ReuseEngine(LLMEngine):
         def __init__(self, config):
@@ -105,7 +105,7 @@ def engine_class():
 
         async def start(self, worker_id: int):
             self.engine = await asyncio.to_thread(AsyncEngine.launch, self.config)
-            self.engine.metrics = ServerMetrics(self.engine)  # the engine reports TTFT and request ends to it
+            wire_metrics(self.engine)  # the worker's /metrics carries them (register_prometheus)
             await self.engine.start()
             parts = self.engine.engine
             # as Dynamo's own vLLM worker does: the first served name is the model's, the others its aliases
