@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blend.rope import check_paged_args
+from blend.rope_checks import check_paged_args
 
 _TWO_PI = 6.283185307179586
 

@@ -13,7 +13,7 @@ import openai
 
 from loadgen.errors import UsageError
 from loadgen.http_recorder import recording_transport
-from loadgen.results import RequestResult
+from loadgen.results import RequestResult, apply_usage
 from loadgen.workloads.spec import RequestSpec, Session
 
 
@@ -77,25 +77,6 @@ class CacheMode:
 
 
 BASELINE = CacheMode(prefix_cache=False, kv_blend=False)
-
-
-def _extra(details, name: str) -> int:
-    """A non-standard usage field: pydantic keeps unknown fields in model_extra."""
-    if details is None:
-        return 0
-    value = getattr(details, name, None)
-    if value is None:
-        value = (getattr(details, "model_extra", None) or {}).get(name)
-    return int(value or 0)
-
-
-def apply_usage(result: RequestResult, usage) -> None:
-    result.prompt_tokens = int(usage.prompt_tokens or 0)
-    result.completion_tokens = int(usage.completion_tokens or 0)
-    details = getattr(usage, "prompt_tokens_details", None)
-    result.cached_tokens = _extra(details, "cached_tokens")
-    result.blended_tokens = _extra(details, "blended_tokens")
-    result.recomputed_tokens = _extra(details, "recomputed_tokens")
 
 
 def _chunk_has_text(chunk, chat: bool) -> bool:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from loadgen.results import RequestResult
+from loadgen.results import RequestResult, apply_usage
 
 
 class PhaseOver(Exception):
@@ -171,8 +171,6 @@ def recording_transport(h=httpx):
             if self._usage is None:
                 result.error = "the response ended without usage"
                 return
-            from loadgen.client import apply_usage  # loadgen.client builds this transport
-
             apply_usage(result, _usage(self._usage))
             result.ok = True
 

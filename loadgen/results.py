@@ -29,3 +29,24 @@ class RequestResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _extra(details, name: str) -> int:
+    """A non-standard usage field: pydantic keeps unknown fields in model_extra."""
+    if details is None:
+        return 0
+    value = getattr(details, name, None)
+    if value is None:
+        value = (getattr(details, "model_extra", None) or {}).get(name)
+    return int(value or 0)
+
+
+def apply_usage(result: RequestResult, usage) -> None:
+    """The token counts of a response's `usage` (chat's fields: the openai SDK's objects, or http_recorder's
+    reading of any dialect) into the result."""
+    result.prompt_tokens = int(usage.prompt_tokens or 0)
+    result.completion_tokens = int(usage.completion_tokens or 0)
+    details = getattr(usage, "prompt_tokens_details", None)
+    result.cached_tokens = _extra(details, "cached_tokens")
+    result.blended_tokens = _extra(details, "blended_tokens")
+    result.recomputed_tokens = _extra(details, "recomputed_tokens")

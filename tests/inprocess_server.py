@@ -8,14 +8,15 @@ import uvicorn
 
 from reuse_server.api.app import create_app
 from reuse_server.server.launcher import free_port
+from reuse_server.server.metrics import wire_metrics
 
 
 @contextmanager
 def serving(engine, settings=None):
     """Yields the base URL once the server listens; stops it (and the engine, by the app's lifespan)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, settings=settings), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    app = create_app(engine, wire_metrics(engine), settings=settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

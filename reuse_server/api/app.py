@@ -8,19 +8,17 @@ from fastapi.openapi.utils import get_openapi
 
 from reuse_server.api.app_state import AppState
 from reuse_server.api.errors import install_error_handlers
+from reuse_server.api.metrics_page import MetricsPage
 from reuse_server.api.routes import router
 from reuse_server.api.settings import ServerSettings
 from reuse_server.api.tokenizing import Tokenizing
-from reuse_server.server.metrics import ServerMetrics
 from reuse_server.engine.structured_output import GrammarCompiler
 from reuse_server.engine.client import EngineClient
 
 
-def create_app(engine: EngineClient, metrics: ServerMetrics | None = None,
-               settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, metrics: MetricsPage, settings: ServerSettings | None = None) -> FastAPI:
+    """metrics: what GET /metrics serves, built by the server and wired to the engine (server/metrics.py)."""
     settings = settings if settings is not None else ServerSettings()
-    metrics = metrics if metrics is not None else ServerMetrics(engine)
-    engine.metrics = metrics  # the engine reports TTFT and request ends to it
     tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, admit=engine.admit)
 
     @asynccontextmanager

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from reuse_server.engine.sampling_params import CacheBreakpoint, InvalidRequest
+from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.kv.pins import CacheBreakpoint
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from reuse_server.api.tools import (ParsedAnswer, StreamEvent, ToolCallStream, T
                                     tool_settings)
 from reuse_server.engine.client import EngineClient
 from reuse_server.engine.outputs import RequestOutput
-from reuse_server.engine.sampling_params import CacheBreakpoint, CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.kv.pins import CacheBreakpoint
 
 logger = logging.getLogger("reuse_server.api")
 

@@ -13,7 +13,8 @@ from reuse_server.api.cache_breakpoints import breakpoints
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks
 from reuse_server.api.protocol import ChatMessage
 from reuse_server.api.tools import ToolSettings, for_template
-from reuse_server.engine.sampling_params import CacheBreakpoint, InvalidRequest
+from reuse_server.engine.sampling_params import InvalidRequest
+from reuse_server.kv.pins import CacheBreakpoint
 
 NO_TOOLS = ToolSettings((), "none", True)
 

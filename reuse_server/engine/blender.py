@@ -31,6 +31,7 @@ from blend.selection import (GradualSchedule, combine_scores, count_for_ratio, k
                              select_top_k)
 from blend.strategies import ChunkStarts, Deviation, QuestionAttention, Selection
 
+from reuse_server.engine.blend_job import BlendJob
 from reuse_server.kv.block_manager import BlockManager, approximate_namespace
 from reuse_server.kv.pool import KVPool
 from reuse_server.model.attention import AttentionMetadata
@@ -69,23 +70,6 @@ class Reuse:
     start: int  # prompt position the chunk starts at
     hit: ChunkHit
     skip: int = 0  # leading chunk tokens already served by the exact prefix match
-
-
-@dataclass
-class BlendJob:
-    """One blended prefill: which prompt tokens came from the chunk index, and what selection made of them."""
-
-    reused: torch.Tensor  # bool [prompt tokens]: KV copied in from the chunk index
-    ratio: float
-    selection: Selection
-    # bool [prompt tokens]: the reused tokens a static selection recomputes at every layer (None: chosen at
-    # check layers, or, for a selection that reads the question, not yet chosen)
-    chosen: torch.Tensor | None = None
-    probe: torch.Tensor | None = None  # attention mass [prompt tokens] the question pays
-    probed: bool = False
-    blended: int = 0  # reused tokens selection left alone
-    recomputed: int = 0  # reused tokens selection recomputed
-    recomputed_positions: list[int] = field(default_factory=list)  # ... and where they are in the prompt
 
 
 class Blender:

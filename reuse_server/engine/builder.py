@@ -1,5 +1,5 @@
 """Building an engine: validate the config once, load the model, and make and wire the parts. The engine
-receives the finished parts (EngineParts) and only runs them.
+receives the finished parts (engine.EngineParts) and only runs them.
 
 Order matters in three places: the fingerprint digests the weights as loaded, before they are packed for the
 CPU kernels (packing drops the dense copies); the pool is sized from the model's shapes; the key shift is
@@ -21,6 +21,7 @@ from reuse_server.kv.block_manager import BlockManager
 from reuse_server.engine.blender import Blender, BlendSettings, layer_inv_freq
 from reuse_server.engine.cache_sizing import size_kv_cache
 from reuse_server.engine.config import EngineConfig, resolve_attention_backend, resolve_dtype
+from reuse_server.engine.engine import EngineParts, LLMEngine
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
@@ -44,36 +45,9 @@ if TYPE_CHECKING:  # imported where configured: redis (tiers) and zmq (events) s
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineParts:
-    config: EngineConfig
-    model: torch.nn.Module
-    model_config: ModelConfig
-    tokenizer: object
-    names: ModelNames  # what requests may call the model; names.id is the one answers report
-    weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
-    fingerprint: ModelFingerprint
-    attention_kernel: bool  # the CPU attention kernel serves this model
-    attention_backend: str  # --attention-backend, auto resolved (native where its kernel could not serve: torch)
-    max_model_len: int
-    pool: KVPool
-    sizing: KVSizing  # how the pool and the host tier were sized at start, and from what
-    cache: RadixCache
-    blocks: BlockManager
-    chunk_index: ChunkIndex
-    blender: Blender
-    scheduler: Scheduler
-    runner: ModelRunner
-    sampler: Sampler
-    tiers: KVTiers | None
-    events: KVEvents | None
-
-
-def build_engine(config: EngineConfig, loaded: "LoadedModel | None" = None):
+def build_engine(config: EngineConfig, loaded: "LoadedModel | None" = None) -> LLMEngine:
     """A ready LLMEngine for `config` (ValueError for bad settings, ModelLoadError for a bad model), around
     `loaded` if given."""
-    from reuse_server.engine.engine import LLMEngine
-
     return LLMEngine(build_parts(config, loaded))
 
 

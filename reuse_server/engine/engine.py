@@ -10,20 +10,64 @@ import dataclasses
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from blend.chunk_index import ChunkIndex
+from radix import RadixCache
 
-from reuse_server.engine.builder import EngineParts
+from reuse_server.engine.blender import Blender
+from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
+from reuse_server.engine.model_names import ModelNames
 from reuse_server.engine.outputs import RequestOutput, TokenLogprob
+from reuse_server.engine.runner import ModelRunner
+from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, PromptTooLong, SamplingParams
-from reuse_server.engine.scheduler import StepOutput
+from reuse_server.engine.scheduler import Scheduler, StepOutput
 from reuse_server.engine.sequence import Sequence
+from reuse_server.kv.block_manager import BlockManager
+from reuse_server.kv.fingerprint import ModelFingerprint
+from reuse_server.kv.pool import KVPool
+from reuse_server.kv.sizing import KVSizing
+from reuse_server.model.config import ModelConfig
+
+if TYPE_CHECKING:  # imported where configured: redis (tiers) and zmq (events) stay out of a plain server
+    from reuse_server.kv.events import KVEvents
+    from reuse_server.kv.tiers import KVTiers
 
 log = logging.getLogger(__name__)
 
 # A precompute or prefetch samples nothing; its params only fill the sequence's field.
 NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+@dataclass
+class EngineParts:
+    """What builder.build_parts made and wired, for LLMEngine to run."""
+
+    config: EngineConfig
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object
+    names: ModelNames  # what requests may call the model; names.id is the one answers report
+    weight_dtype: str  # what the weights are held in (--weight-dtype, auto resolved)
+    fingerprint: ModelFingerprint
+    attention_kernel: bool  # the CPU attention kernel serves this model
+    attention_backend: str  # --attention-backend, auto resolved (native where its kernel could not serve: torch)
+    max_model_len: int
+    pool: KVPool
+    sizing: KVSizing  # how the pool and the host tier were sized at start, and from what
+    cache: RadixCache
+    blocks: BlockManager
+    chunk_index: ChunkIndex
+    blender: Blender
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    tiers: KVTiers | None
+    events: KVEvents | None
 
 
 class LLMEngine:
@@ -54,7 +98,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
         self.prefetches: list[Sequence] = []  # prefetches the pool could not take yet (see prefetch)
-        self.metrics = None  # ServerMetrics, attached by the server
+        self.metrics = None  # the server's metrics, attached by it (server/metrics.py: wire_metrics)
         self.clock = time.monotonic  # what prompt-cache pins expire by (tests pass their own)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)

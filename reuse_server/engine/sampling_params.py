@@ -4,7 +4,9 @@ request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
+
+from reuse_server.kv.pins import CacheBreakpoint
 
 
 class InvalidRequest(ValueError):
@@ -104,14 +106,6 @@ class SamplingParams:
         """Whether the logits are changed (penalties, bias) before choosing a token."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias)
-
-
-class CacheBreakpoint(NamedTuple):
-    """A prompt-cache breakpoint (Anthropic's `cache_control`): the prompt's first `offset` tokens are kept
-    (whole blocks) for `ttl` seconds from each use (kv/pins.py)."""
-
-    offset: int
-    ttl: float
 
 
 @dataclass

@@ -2,12 +2,13 @@
 - the request itself (id, prompt, sampling params, cache `options`, arrival, whether it generates): fixed
   when it arrives;
 - `output_ids` and `finish_reason`: the scheduler (Scheduler.update appends tokens and ends it; abort);
-- `kv` (KVState): the block manager alone: its blocks, how far its KV is computed, what it handed the tree;
+- `kv` (kv.kv_sequence.KVState): the block manager alone (which sees the sequence as a KVSequence): its
+  blocks, how far its KV is computed, what it handed the tree;
 - `queue` (QueueState): the scheduler alone: waiting or running, times passed over, preemptions;
 - `usage` (Usage): the scheduler alone: what the client is told about reuse (the engine reads it);
 - `detokenizer`: made by the engine when the request arrives, fed by the scheduler's update;
 - `sampling` (sampler.SamplerState): the sampler alone: the seeded generator, the grammar matcher;
-- `blend` (blender.BlendJob): the blender alone: a blended prefill in progress (None otherwise).
+- `blend` (blend_job.BlendJob): the blender alone: a blended prefill in progress (None otherwise).
 Nothing about a request is kept in a dict keyed by its id elsewhere; when the sequence goes, all of it goes."""
 from __future__ import annotations
 
@@ -19,34 +20,16 @@ from typing import TYPE_CHECKING
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.sampler import SamplerState
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.kv.kv_sequence import KVState
 
 if TYPE_CHECKING:
-    from reuse_server.engine.blender import BlendJob
+    from reuse_server.engine.blend_job import BlendJob
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class KVState:
-    """Written by the BlockManager only. block_table[i] holds positions i*bs .. (i+1)*bs-1. Blocks in `owned`
-    are the sequence's alone (allocated, not in the tree); the others belong to the radix tree and stay alive
-    through `node`'s lock."""
-
-    block_table: list[int] = field(default_factory=list)
-    owned: set[int] = field(default_factory=set)
-    node: object | None = None  # locked radix node covering the tree-owned prefix of block_table
-    num_computed: int = 0  # tokens whose KV is in the pool, from position 0 without a gap
-    filled: set[int] = field(default_factory=set)  # later block indices already loaded from a tier (after a hole)
-    num_published: int = 0  # leading full blocks handed to the radix tree
-    approximate: bool = False  # KV derived from blending: filed under `approximate_namespace`
-    approximate_namespace: bytes = b""  # where this sequence's blended KV is filed (one per blending setting)
-    unpublishable: bool = False  # approximate KV that could not be moved out of the exact namespace
-    prompt_hashes: list[bytes] | None = None  # chain hashes of the prompt's full blocks (exact namespace)
-    window_from: int = 0  # a hybrid pool: blocks from this index on have window parts this sequence pins
 
 
 @dataclass

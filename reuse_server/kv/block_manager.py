@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 
 from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
 
-from reuse_server.engine.sequence import KVState, Sequence
+from reuse_server.kv.kv_sequence import KVSequence, KVState
 from reuse_server.kv.pins import Pin, PinTable
 from reuse_server.kv.window_parts import WindowParts
 
@@ -108,23 +108,23 @@ class BlockManager:
         self.pins_given_way = 0  # pins released before their time (a tenant's share, a full pool)
 
     @staticmethod
-    def publish_namespace(seq: Sequence) -> bytes:
+    def publish_namespace(seq: KVSequence) -> bytes:
         return seq.kv.approximate_namespace if seq.kv.approximate else seq.namespace
 
-    def _caches(self, seq: Sequence) -> bool:
+    def _caches(self, seq: KVSequence) -> bool:
         return self.enable_prefix_cache and seq.uses_prefix_cache
 
-    def _reuses_partial_blocks(self, seq: Sequence) -> bool:
+    def _reuses_partial_blocks(self, seq: KVSequence) -> bool:
         return self._caches(seq) and self.copy_blocks is not None
 
-    def peek_cached(self, seq: Sequence) -> int:
+    def peek_cached(self, seq: KVSequence) -> int:
         """Tokens of seq a match would serve now, without counting it as a query."""
         if not self._caches(seq):
             return 0
         # Full blocks only: this orders the queue, where a partial block's few tokens change nothing.
         return self.cache.match(self._matchable(seq), seq.namespace, record_stats=False).num_tokens
 
-    def prompt_hashes(self, seq: Sequence) -> list[bytes]:
+    def prompt_hashes(self, seq: KVSequence) -> list[bytes]:
         """The block identities (chain hashes in seq's namespace) of the prompt's matchable full blocks,
         computed once."""
         if seq.kv.prompt_hashes is None:
@@ -132,7 +132,7 @@ class BlockManager:
                                                                  seq.namespace)
         return seq.kv.prompt_hashes
 
-    def pending_block(self, seq: Sequence, depth: int) -> bytes | None:
+    def pending_block(self, seq: KVSequence, depth: int) -> bytes | None:
         """The identity of seq's prompt block that starts at token `depth` (a multiple of the block size):
         sequences with equal identities compute the same KV for that block. None past the prompt's matchable
         full blocks, or where seq does not share through the exact prefix cache."""
@@ -141,12 +141,12 @@ class BlockManager:
             return None
         return self.prompt_hashes(seq)[index]
 
-    def next_uncached_block(self, seq: Sequence, cached_tokens: int | None = None) -> bytes | None:
+    def next_uncached_block(self, seq: KVSequence, cached_tokens: int | None = None) -> bytes | None:
         """For a waiting seq: the pending_block key of the first block the cache cannot serve now
         (`cached_tokens`: peek_cached(seq), if already looked up in this step)."""
         return self.pending_block(seq, self.peek_cached(seq) if cached_tokens is None else cached_tokens)
 
-    def block_in_flight(self, seq: Sequence) -> bytes | None:
+    def block_in_flight(self, seq: KVSequence) -> bytes | None:
         """For an admitted seq still computing its prompt into the exact tree: the pending_block key of its
         first block not yet handed to the tree (being computed, or next). The caller excludes blended
         prefills, whose KV may end up approximate."""
@@ -154,12 +154,12 @@ class BlockManager:
             return None
         return self.pending_block(seq, seq.kv.num_published * self.block_size)
 
-    def _matchable(self, seq: Sequence) -> list[int]:
+    def _matchable(self, seq: KVSequence) -> list[int]:
         # The last token is always computed: its logits start generation.
         return seq.token_ids[: seq.num_tokens - 1]
 
     # ---- admission: load, match, allocate -------------------------------------------------------
-    def admit(self, seq: Sequence, first_slice_tokens: int, approximate_namespace: bytes | None = None,
+    def admit(self, seq: KVSequence, first_slice_tokens: int, approximate_namespace: bytes | None = None,
               fill_holes: bool = True) -> Admission | None:
         """Admit seq: load what the tiers hold of its prompt, match and lock its cached prefix, and allocate
         blocks for its first slice. Returns what the caches served, or None (nothing held) if the pool cannot
@@ -181,7 +181,7 @@ class BlockManager:
             by_tier[partial.found.tier] = by_tier.get(partial.found.tier, 0) + partial.num_tokens
         return Admission(kv.num_computed + len(loaded.after_hole) * bs, by_tier)
 
-    def load(self, seq: Sequence, tokens: list[int], fill_holes: bool) -> Loaded:
+    def load(self, seq: KVSequence, tokens: list[int], fill_holes: bool) -> Loaded:
         """Admission, first: the tiers' blocks continuing the device's cached chain of seq's prompt go into
         the pool and the tree (load_prefix); with fill_holes, the blocks after the first block no cache holds
         that a tier holds are noted (read into seq's own blocks once allocate has taken them)."""
@@ -190,7 +190,7 @@ class BlockManager:
         chain, pulled = self._load_prefix(tokens, seq.namespace)
         return Loaded(pulled, holes=self._after_hole(seq, chain) if fill_holes else None)
 
-    def match(self, seq: Sequence, tokens: list[int], approximate_namespace: bytes | None
+    def match(self, seq: KVSequence, tokens: list[int], approximate_namespace: bytes | None
               ) -> PartialMatch | TierPartial | None:
         """Admission, second: match seq's prefix (exact, or blended the same way if that is longer), lock it
         and start seq's block table with it. Returns the cached block sharing the most of the prompt's next
@@ -233,7 +233,7 @@ class BlockManager:
             kv.num_computed += partial.num_tokens
         return partial
 
-    def _tier_partial(self, seq: Sequence, tokens: list[int], matched: int) -> TierPartial | None:
+    def _tier_partial(self, seq: KVSequence, tokens: list[int], matched: int) -> TierPartial | None:
         """The tiers' block continuing the chain matched up to `matched` tokens that shares the most of the
         prompt's next tokens (tiers keep whole blocks by hash, so a prompt that leaves a cached prompt inside a
         block finds that block only this way)."""
@@ -266,7 +266,7 @@ class BlockManager:
                 return end
         return 0
 
-    def allocate(self, seq: Sequence, first_slice_tokens: int, partial: PartialMatch | TierPartial | None,
+    def allocate(self, seq: KVSequence, first_slice_tokens: int, partial: PartialMatch | TierPartial | None,
                  loaded: Loaded) -> bool:
         """Admission, last: take blocks for seq's first slice (and up to its last block a tier holds after a
         hole), copy the partially shared block in and read the blocks after the hole into seq's own blocks
@@ -295,7 +295,7 @@ class BlockManager:
             kv.filled = set(loaded.after_hole)
         return True
 
-    def _after_hole(self, seq: Sequence, first_missing: int):
+    def _after_hole(self, seq: KVSequence, first_missing: int):
         """The blocks of seq's prompt after its first block that no cache holds, that a tier holds (tiers.Held,
         in prompt order; allocate reads them), or None."""
         hashes = self.prompt_hashes(seq)
@@ -398,7 +398,7 @@ class BlockManager:
     def stored(self, records: list[BlockRecord]) -> None:
         pass
 
-    def computable(self, seq: Sequence) -> int:
+    def computable(self, seq: KVSequence) -> int:
         """Tokens seq can compute next: up to its next block already filled from a tier, or to its end."""
         kv = seq.kv
         stop = seq.num_tokens
@@ -406,7 +406,7 @@ class BlockManager:
             stop = min(stop, min(kv.filled) * self.block_size)
         return stop - kv.num_computed
 
-    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+    def ensure_capacity(self, seq: KVSequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens positions. False (and nothing taken) if it cannot."""
         kv = seq.kv
         need = blocks_for(num_tokens, self.block_size) - len(kv.block_table)
@@ -425,7 +425,7 @@ class BlockManager:
         kv.owned.update(new)
         return True
 
-    def advance(self, seq: Sequence, num_tokens: int) -> None:
+    def advance(self, seq: KVSequence, num_tokens: int) -> None:
         """The step computed seq's next num_tokens tokens: count them (and the blocks filled from a tier that
         now follow them) and publish its full blocks."""
         kv = seq.kv
@@ -437,7 +437,7 @@ class BlockManager:
         if self.window is not None:
             self._slide(seq)
 
-    def _slide(self, seq: Sequence) -> None:
+    def _slide(self, seq: KVSequence) -> None:
         """Unpin the window parts of seq's blocks that no query of seq can see any more: freed where seq owns
         the block (nothing else can use its part), cached where the tree has it."""
         kv = seq.kv
@@ -449,7 +449,7 @@ class BlockManager:
         self.window.drop([b for b in passed if b in kv.owned])
         kv.window_from = end
 
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: KVSequence) -> None:
         """Hand seq's computed full blocks to the radix tree (so concurrent and later requests hit them)."""
         kv = seq.kv
         if not self._caches(seq) or kv.unpublishable:
@@ -471,7 +471,7 @@ class BlockManager:
             kv.owned.difference_update(result.duplicate_block_ids)
         kv.num_published = full
 
-    def make_approximate(self, seq: Sequence) -> None:
+    def make_approximate(self, seq: KVSequence) -> None:
         """seq's KV is about to become approximate (blended). Its leading blocks belong to the exact tree;
         give it private copies so its whole chain can be filed under the approximate namespace it was
         admitted with."""
@@ -500,7 +500,7 @@ class BlockManager:
             kv.num_published = 0
         kv.approximate = True
 
-    def file_tail(self, seq: Sequence) -> None:
+    def file_tail(self, seq: KVSequence) -> None:
         """Hand seq's partial last block (computed tokens past its published full blocks) to the tree as a
         tail of its chain, so the next turn of a conversation does not recompute those tokens."""
         kv = seq.kv
@@ -515,7 +515,7 @@ class BlockManager:
             kv.owned.discard(block)
 
     # ---- prompt-cache pins ------------------------------------------------------------------------
-    def pin_breakpoints(self, seq: Sequence, now: float) -> None:
+    def pin_breakpoints(self, seq: KVSequence, now: float) -> None:
         """seq's prompt is computed: pin the whole blocks up to each of its breakpoints (a pin there already is
         renewed), then hold its tenant to its share of the pool, its least recently used pins giving way."""
         kv = seq.kv
@@ -549,7 +549,7 @@ class BlockManager:
             self._unpin(self.pins.oldest(tenant))
             self.pins_given_way += 1
 
-    def _breakpoint_blocks(self, seq: Sequence, end: int, whole: MatchResult) -> MatchResult:
+    def _breakpoint_blocks(self, seq: KVSequence, end: int, whole: MatchResult) -> MatchResult:
         """The cached blocks a breakpoint at `end` pins: `whole` (those before it), and the block it falls in
         when the tree holds it (the prompt goes on past that block), so that a hit reads to the breakpoint."""
         if end % self.block_size == 0:
@@ -558,7 +558,7 @@ class BlockManager:
         deeper = self.cache.match(seq.prompt_ids[:upto], seq.namespace, record_stats=False)
         return deeper if deeper.num_tokens == upto else whole
 
-    def renew_pins(self, seq: Sequence, now: float) -> None:
+    def renew_pins(self, seq: KVSequence, now: float) -> None:
         """seq was admitted reading its matched prefix: the pins inside it live on from now."""
         for pin in self.pins.on_path(seq.kv.node):
             pin.renew(now)
@@ -585,13 +585,13 @@ class BlockManager:
             self.window.unpin(pin.window_blocks)
         self.cache.unpin(pin.held)
 
-    def stored_prompt_tokens(self, seq: Sequence, cached_tokens: int) -> int:
+    def stored_prompt_tokens(self, seq: KVSequence, cached_tokens: int) -> int:
         """OpenAI's cache writes: the prompt tokens seq computed into whole blocks that the cache now keeps."""
         if not self._caches(seq) or seq.kv.unpublishable:
             return 0
         return max(0, len(seq.prompt_ids) // self.block_size * self.block_size - cached_tokens)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: KVSequence) -> None:
         """Give back everything seq holds (finish, abort, preemption). Published blocks stay cached, and
         so does the partial last block, as a tail."""
         self.file_tail(seq)

@@ -1,6 +1,6 @@
 """`reuse-server kv-calc`: how much KV a model needs, and what fits in a memory budget.
 
-From the model's config alone (reuse_server.model.kv_geometry) and the one KV formula (reuse_server.kv.layout):
+From the model's config alone (reuse_server.kv.kv_geometry) and the one KV formula (reuse_server.kv.layout):
 bytes per token and per block, the padding of a sequence's partly filled last block, and what fits in the
 memory (the most sequences at the given context, the longest context at the given concurrency), with the
 formula written out. Three ways of holding a sequence are counted (kv_layout.ALLOCATIONS): the headline
@@ -14,7 +14,7 @@ import json
 
 from reuse_server.kv import layout as kv_layout
 from reuse_server.kv.layout import SCALE_BYTES, KVDType, LayerKV
-from reuse_server.model.kv_geometry import ModelKV
+from reuse_server.kv.kv_geometry import ModelKV
 
 SEARCH_LIMIT = 1 << 40  # tokens: past this, a context is taken as unbounded (every layer windowed)
 HEADLINE = "paged"
@@ -209,7 +209,7 @@ def _bytes(n: float) -> str:
 def run(args) -> int:
     """The subcommand: args from reuse_server.server.cli (model, kv_dtype, device, block_size, context, concurrency,
     memory, json). Raises ModelLoadError/ValueError for the CLI to report."""
-    from reuse_server.model.kv_geometry import read_model_kv
+    from reuse_server.kv.kv_geometry import read_model_kv
 
     model = read_model_kv(args.model)
     dtype = kv_layout.kv_dtype(args.kv_dtype, args.device)

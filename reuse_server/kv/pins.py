@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 from radix import TreeNode
 
-from reuse_server.engine.sampling_params import CacheBreakpoint
+
+class CacheBreakpoint(NamedTuple):
+    """A prompt-cache breakpoint (Anthropic's `cache_control`): the prompt's first `offset` tokens are kept
+    (whole blocks) for `ttl` seconds from each use (a Pin)."""
+
+    offset: int
+    ttl: float
 
 
 @dataclass(eq=False)

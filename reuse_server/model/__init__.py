@@ -1,8 +1,8 @@
 """The model side of the engine: config, weight loading, and a Llama-family forward over a paged KV pool.
 
 The names below load their module on first use (PEP 562), so that the torch-free modules of this package
-(config, errors, bundled, kv_geometry, gguf_metadata) can be imported without importing torch: `reuse-server
-kv-calc` reads a model's config and answers in well under a second."""
+(config, errors, bundled, gguf_metadata) can be imported without importing torch: `reuse-server kv-calc`
+reads a model's config through them (kv/kv_geometry.py) and answers in well under a second."""
 
 from importlib import import_module
 

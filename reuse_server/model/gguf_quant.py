@@ -4,14 +4,15 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K are a code per we
 block (or sub-block) of inputs: their codes and scales are read out of the blocks as they are, and s * q + m
 gives back exactly what `gguf.quants.dequantize` gives. A source with more bits than the target (Q5_*, Q8_0,
 Q5_K, Q6_K into int4) and every other type (F32, F16, BF16, Q2_K, Q3_K, the IQ types) is dequantized by gguf
-and quantized to the target with gguf's quantizers (quant_weights.quantize)."""
+and quantized to the target with gguf's quantizers (`quantize`, which also quantizes a dense checkpoint's
+weights at load)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .quant_weights import QuantizedWeight, narrowest_scales, quantize
+from .quant_weights import QUANT_GROUP, QuantizedWeight, narrowest_scales
 
 # Code width of each type read as it is, and the narrowest of our kinds that holds its codes.
 _SOURCE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
@@ -39,6 +40,28 @@ def load_tensor(data: np.ndarray, qtype, shape: tuple[int, int], kind: str) -> Q
         return from_gguf_blocks(np.asarray(data), qtype, shape, kind)
     dense = gguf.quants.dequantize(data, qtype).reshape(shape)
     return quantize(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), kind)
+
+
+def quantize(weight: torch.Tensor, kind: str, group: int = QUANT_GROUP) -> QuantizedWeight:
+    """A dense [N, K] weight in the given kind, with gguf's quantizers: int4 as Q4_1 (scale and minimum per
+    group), int8 as Q8_0 (scale per group); K is zero-padded to whole groups for the quantizer."""
+    if kind == "bf16":
+        return QuantizedWeight("bf16", weight.detach().to(torch.bfloat16).contiguous(), None, None, weight.shape[1])
+    import gguf
+
+    if group != QUANT_GROUP:
+        raise ValueError(f"quantizing at load uses gguf's blocks of {QUANT_GROUP} inputs")
+    qtype = {"int4": gguf.GGMLQuantizationType.Q4_1, "int8": gguf.GGMLQuantizationType.Q8_0}[kind]
+    n, k = weight.shape
+    dense = weight.detach().float().cpu().numpy()
+    pad = -k % group
+    if pad:
+        dense = np.pad(dense, ((0, 0), (0, pad)))
+    blocks = gguf.quants.quantize(np.ascontiguousarray(dense), qtype)
+    q = from_gguf_blocks(blocks, qtype, (n, k + pad), kind)
+    if pad:  # drop the padding's codes; its groups keep their scales
+        q = QuantizedWeight(q.kind, q.codes[:, :k].contiguous(), q.scales, q.mins, q.group)
+    return q
 
 
 def from_gguf_blocks(data: np.ndarray, qtype, shape: tuple[int, int], kind: str) -> QuantizedWeight:

@@ -16,7 +16,8 @@ from .errors import ModelLoadError
 from .gguf_convert import ensure_converted
 from .llama import LlamaModel
 from .quant_linear import QuantizedEmbedding, QuantizedLinear
-from .quant_weights import WEIGHT_DTYPES, QuantizedWeight, from_tensors, kind_for, quantize, read_layouts
+from .gguf_quant import quantize
+from .quant_weights import WEIGHT_DTYPES, QuantizedWeight, from_tensors, kind_for, read_layouts
 
 _IGNORED_CHECKPOINT_KEYS = ("rotary_emb.inv_freq",)
 # Gemma 3's multimodal checkpoints (4B and up): the language model's tensors under a prefix (the hub's layout,
@@ -235,6 +236,7 @@ def load_tokenizer(path: Path):
     GGUF, its tokenizer.json through the `tokenizers` library (model/tokenizer.py: transformers stays out of
     the server), else transformers' tokenizer."""
     from .tokenizer import ServedTokenizer, readable
+    from .transformers_tokenizer import load_transformers_tokenizer
 
     if readable(Path(path)):
         try:
@@ -242,35 +244,3 @@ def load_tokenizer(path: Path):
         except Exception as e:
             raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
     return load_transformers_tokenizer(path)
-
-
-def load_transformers_tokenizer(path: Path):
-    """transformers' tokenizer of an HF folder."""
-    try:
-        if _declares_its_own_class(Path(path)):
-            from transformers import TokenizersBackend
-
-            return TokenizersBackend.from_pretrained(str(path))
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
-
-
-def _declares_its_own_class(path: Path) -> bool:
-    """Whether AutoTokenizer would load the folder's tokenizer as the TokenizersBackend its
-    tokenizer_config.json names (as every folder converted from a llama GGUF does), because transformers
-    registers no tokenizer class of its own for the model type. Loading that class directly skips
-    AutoTokenizer's read of the model config, which imports transformers' model-config modules and, through
-    them, torch.distributed and sympy: resident for the server's life, used by nothing it runs."""
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
-    try:
-        declared = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return (isinstance(declared, dict) and declared.get("tokenizer_class") == "TokenizersBackend"
-            and "auto_map" not in declared and model_type is not None
-            and TOKENIZER_MAPPING_NAMES.get(model_type) is None)

@@ -328,7 +328,7 @@ def choose_cpu_kernel(kind: str, shapes: list[tuple[int, int]], rows=(1, 64), se
         log.info("quantized %s linear layers on the CPU: %s (the only candidate here)", kind,
                  "fp32 weights: no kernel for this kind" if choice == "reference" else f"{choice} kernel")
         return choice
-    from .quant_weights import quantize
+    from .gguf_quant import quantize
 
     gen = torch.Generator().manual_seed(seed)
     weights = [quantize(torch.randn(n, k, generator=gen) * 0.05, kind) for n, k in shapes]

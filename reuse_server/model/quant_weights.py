@@ -1,4 +1,5 @@
-"""Weights held in fewer bits than fp32: the layout, quantizing to it, reading it back, storing it on disk.
+"""Weights held in fewer bits than fp32: the layout, reading it back, storing it on disk (quantizing to it is
+gguf_quant.quantize's, with gguf's quantizers).
 
 A QuantizedWeight of shape [N, K] holds a code per weight and, for int8/int4, a scale and optionally a minimum
 per group of `group` consecutive inputs of an output: w[n, k] = scales[n, k // group] * codes[n, k] +
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -120,30 +120,6 @@ def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
         mins = narrowest_scales(torch.cat([w.mins.float() if w.mins is not None else torch.zeros_like(w.scales, dtype=torch.float32)
                                            for w in weights]))
     return QuantizedWeight(first.kind, codes, scales, mins, first.group)
-
-
-def quantize(weight: torch.Tensor, kind: str, group: int = QUANT_GROUP) -> QuantizedWeight:
-    """A dense [N, K] weight in the given kind, with gguf's quantizers: int4 as Q4_1 (scale and minimum per
-    group), int8 as Q8_0 (scale per group); K is zero-padded to whole groups for the quantizer."""
-    if kind == "bf16":
-        return QuantizedWeight("bf16", weight.detach().to(torch.bfloat16).contiguous(), None, None, weight.shape[1])
-    import gguf
-
-    from .gguf_quant import from_gguf_blocks  # the one reader of gguf's block layout
-
-    if group != QUANT_GROUP:
-        raise ValueError(f"quantizing at load uses gguf's blocks of {QUANT_GROUP} inputs")
-    qtype = {"int4": gguf.GGMLQuantizationType.Q4_1, "int8": gguf.GGMLQuantizationType.Q8_0}[kind]
-    n, k = weight.shape
-    dense = weight.detach().float().cpu().numpy()
-    pad = -k % group
-    if pad:
-        dense = np.pad(dense, ((0, 0), (0, pad)))
-    blocks = gguf.quants.quantize(np.ascontiguousarray(dense), qtype)
-    q = from_gguf_blocks(blocks, qtype, (n, k + pad), kind)
-    if pad:  # drop the padding's codes; its groups keep their scales
-        q = QuantizedWeight(q.kind, q.codes[:, :k].contiguous(), q.scales, q.mins, q.group)
-    return q
 
 
 # ---- on disk: safetensors tensors + one metadata entry -----------------------------------------------------

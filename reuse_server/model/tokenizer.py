@@ -123,7 +123,7 @@ class ServedTokenizer:
         """transformers' tokenizer of the same folder (for xgrammar, which reads one), loaded on first use."""
         with self._lock:
             if self._transformers is None:
-                from .loader import load_transformers_tokenizer
+                from .transformers_tokenizer import load_transformers_tokenizer
 
                 self._transformers = load_transformers_tokenizer(Path(self.name_or_path))
             return self._transformers

@@ -50,6 +50,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from reuse_server.server.args import non_negative_int, positive_int
 from reuse_server.server.launcher import ServerStartError, free_port, own_session, redis_process, served
 from reuse_server.server.replica_sizing import divided
 
@@ -232,7 +233,7 @@ def add_parser(commands, formatter_class) -> None:
                     "it, and the SGLang model gateway in front; print the gateway's URL; on Ctrl+C or SIGTERM stop "
                     "the gateway, then the replicas (they drain), then Redis. Flags after `--` go to every replica, "
                     "e.g. `reuse-server cluster --replicas 2 -- --kv-cache-memory 512MiB`.")
-    p.add_argument("--replicas", type=_positive_int, default=2, help="servers behind the gateway")
+    p.add_argument("--replicas", type=positive_int, default=2, help="servers behind the gateway")
     p.add_argument("--router", choices=ROUTERS, default="smg",
                    help="smg: the SGLang model gateway; vllm-router: vLLM's router, whose kv_aware policy routes by "
                         "the replicas' KV events")
@@ -241,13 +242,13 @@ def add_parser(commands, formatter_class) -> None:
                         "replica reports at /get_load; smg's default), round_robin, cache_aware (prompt-prefix "
                         "affinity), random, kv_aware (vllm-router only, its default: where the replicas' KV "
                         "events say the prompt is cached)")
-    p.add_argument("--session-affinity-ttl", type=_non_negative_int, default=None, metavar="SECONDS",
+    p.add_argument("--session-affinity-ttl", type=non_negative_int, default=None, metavar="SECONDS",
                    help="vllm-router's kv_aware only: a request naming its session (the session-id header of "
                         "Codex CLI, x-claude-code-session-id of Claude Code, x-session-id, or a session_id body "
                         "field) goes to the replica of the session's earlier turns until the session has been "
                         f"idle this long (default {SESSION_AFFINITY_TTL}; 0: route every request by KV events)")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    p.add_argument("--port", type=_positive_int, default=8000, help="port the gateway listens on")
+    p.add_argument("--port", type=positive_int, default=8000, help="port the gateway listens on")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="an existing Redis or Valkey for the shared KV tier (default: start a local redis-server)")
     p.add_argument("--redis-maxmemory", default="1gb", metavar="SIZE",
@@ -259,18 +260,6 @@ def add_parser(commands, formatter_class) -> None:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_ARGS",
                    help="flags for every replica (reuse-server serve --help)")
     p.set_defaults(command_parser=p)
-
-
-def _positive_int(text: str) -> int:
-    from reuse_server.server.cli import positive_int
-
-    return positive_int(text)
-
-
-def _non_negative_int(text: str) -> int:
-    from reuse_server.server.cli import non_negative_int
-
-    return non_negative_int(text)
 
 
 class _Stop(Exception):

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import uuid
 
+from reuse_server.server.args import HelpFormatter, command_parser
 from reuse_server.server.launcher import free_port
 
 
@@ -40,6 +41,13 @@ def add_parser(commands, formatter_class) -> None:
     p.add_argument("--event-plane", default="zmq")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE_ARGS")
     p.set_defaults(command_parser=p)
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """`reuse-server dynamo-worker`'s own flags (those after `--` are serve's: args.parse_serve_flags)."""
+    parser, commands = command_parser()
+    add_parser(commands, HelpFormatter)
+    return parser
 
 
 def sampling_params(request: dict):
@@ -70,8 +78,8 @@ def engine_class():
     from dynamo.common.backend.publisher import ZmqSource
 
     from reuse_server.engine.async_engine import AsyncEngine
-    from reuse_server.server.cli import build_parser, engine_config
-    from reuse_server.server.metrics import ServerMetrics
+    from reuse_server.server.args import engine_config, parse_serve_flags
+    from reuse_server.server.metrics import wire_metrics
 
     class ReuseEngine(LLMEngine):
         def __init__(self, config):
@@ -80,12 +88,11 @@ def engine_class():
 
         @classmethod
         async def from_args(cls, argv=None):
-            args = build_parser().parse_args(argv)
+            args = worker_parser().parse_args(argv)
             serve_args = list(args.serve_args)
             if serve_args[:1] == ["--"]:
                 serve_args = serve_args[1:]
-            serve = build_parser().parse_args(["serve", *serve_args])
-            config = engine_config(serve)
+            config = engine_config(parse_serve_flags(serve_args))
             if not config.kv_events:  # Dynamo's runtime subscribes to it on loopback
                 config.kv_events = f"tcp://127.0.0.1:{free_port()}"
             if not config.model:
@@ -98,7 +105,7 @@ def engine_class():
 
         async def start(self, worker_id: int):
             self.engine = await asyncio.to_thread(AsyncEngine.launch, self.config)
-            self.engine.metrics = ServerMetrics(self.engine)  # the engine reports TTFT and request ends to it
+            wire_metrics(self.engine)  # the worker's /metrics carries them (register_prometheus)
             await self.engine.start()
             parts = self.engine.engine
             # as Dynamo's own vLLM worker does: the first served name is the model's, the others its aliases

@@ -116,3 +116,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def wire_metrics(engine) -> ServerMetrics:
+    """The metrics of a server around `engine` (an LLMEngine or AsyncEngine), which reports TTFT and request
+    ends to them as they happen; GET /metrics renders them (api.app.create_app)."""
+    metrics = ServerMetrics(engine)
+    engine.metrics = metrics
+    return metrics

@@ -12,6 +12,7 @@ import contextlib
 import io
 
 from reuse_server.kv.sizing import Auto, MachineMemory, cpu_budget, read_machine_memory
+from reuse_server.server.args import parse_serve_flags  # the serve flags' one definition
 from reuse_server.server.launcher import names_pool
 
 
@@ -42,10 +43,8 @@ def divided(serve_args: list[str], replicas: int,
 
 
 def _serve_flags(serve_args: list[str]) -> argparse.Namespace | None:
-    from reuse_server.server.cli import build_parser  # the serve flags' one definition
-
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return build_parser().parse_args(["serve", *serve_args])
+            return parse_serve_flags(serve_args)
     except SystemExit:
         return None

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from reuse_server.server.cli import build_parser, engine_config, main, parse_size
+from reuse_server.server.args import engine_config, parse_size
+from reuse_server.server.cli import build_parser, main
 from reuse_server.engine.config import EngineConfig
 
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from reuse_server.kv.pool import HostUploads, KVPool
 from reuse_server.kv.tiers.reads import PinnedReadBuffer, read_buffer
 from reuse_server.model.quant_linear import DenseLinear, QuantizedLinear, TorchInt4Linear, device_linear
-from reuse_server.model.quant_weights import quantize
+from reuse_server.model.gguf_quant import quantize
 
 pytestmark = pytest.mark.cuda
 SEED = 45

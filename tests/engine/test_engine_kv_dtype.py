@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from reuse_server.kv import layout as kv_layout
-from reuse_server.server.cli import build_parser, engine_config
+from reuse_server.server.args import engine_config
+from reuse_server.server.cli import build_parser
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.engine import LLMEngine
 from reuse_server.engine.builder import build_engine

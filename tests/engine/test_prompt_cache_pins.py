@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from radix import RadixCache
 
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
-from reuse_server.engine.sampling_params import CacheBreakpoint, CacheOptions, SamplingParams
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.kv.pins import CacheBreakpoint
 from reuse_server.engine.scheduler import Scheduler, StepOutput
 from reuse_server.engine.sequence import Sequence
 from reuse_server.kv.block_manager import BlockManager

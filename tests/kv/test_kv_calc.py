@@ -20,7 +20,7 @@ from reuse_server.model.bundled import bundled_gguf_path
 from reuse_server.model.config import ModelConfig, layer_windows
 from reuse_server.model.errors import ModelLoadError
 from reuse_server.model.gguf_metadata import read_gguf_metadata, read_gguf_tensor_infos
-from reuse_server.model.kv_geometry import model_kv_from_hf, read_model_kv
+from reuse_server.kv.kv_geometry import model_kv_from_hf, read_model_kv
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30

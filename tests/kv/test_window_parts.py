@@ -159,7 +159,7 @@ def test_a_pinned_prefix_keeps_the_window_parts_a_hit_needs_until_its_pin_ends()
     """Prompt-cache pins on a hybrid pool: the window before the breakpoint keeps its parts while other prompts
     take every unpinned part, so a later prompt still hits the whole pinned prefix; once the pin expires
     the parts are ordinary cache again and nothing stays pinned."""
-    from reuse_server.engine.sampling_params import CacheBreakpoint
+    from reuse_server.kv.pins import CacheBreakpoint
 
     rig = Rig(num_blocks=40, num_window_blocks=12)
     rng = random.Random(77)

@@ -10,12 +10,12 @@ from openai.types.completion_usage import CompletionUsage
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from loadgen import cli
-from loadgen.client import BASELINE, CacheMode, apply_usage, normalize_server_url
+from loadgen.client import BASELINE, CacheMode, normalize_server_url
 from loadgen.errors import UsageError
 from loadgen.metrics_scrape import counter_deltas, parse_counters, requests_running
 from loadgen.render import render_outputs
 from loadgen.report import load_json, speedup, summarize, workload_entry, write_json
-from loadgen.results import RequestResult
+from loadgen.results import RequestResult, apply_usage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from reuse_server.model.quant_linear import (DenseLinear, DequantLinear, QuantizedLinear, TorchInt8Linear,
                                              device_linear)
-from reuse_server.model.quant_weights import QuantizedWeight, quantize
+from reuse_server.model.gguf_quant import quantize
+from reuse_server.model.quant_weights import QuantizedWeight
 
 SEED = 5
 

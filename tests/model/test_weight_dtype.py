@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reuse_server.server.cli import build_parser, engine_config
+from reuse_server.server.args import engine_config
+from reuse_server.server.cli import build_parser
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.builder import build_engine
 from reuse_server.kv.pool import KVPool

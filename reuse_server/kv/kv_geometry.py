@@ -13,10 +13,10 @@ from typing import Any
 
 from reuse_server.kv.layout import KVGeometry, LayerKV
 
-from .bundled import bundled_gguf_path, bundled_model, bundled_names
-from .config import layer_windows
-from .errors import ModelLoadError
-from .gguf_metadata import read_gguf_metadata
+from reuse_server.model.bundled import bundled_gguf_path, bundled_model, bundled_names
+from reuse_server.model.config import layer_windows
+from reuse_server.model.errors import ModelLoadError
+from reuse_server.model.gguf_metadata import read_gguf_metadata
 
 # GGUF architecture names whose Hugging Face model_type differs (the layer patterns are keyed by model_type)
 _GGUF_MODEL_TYPES = {"deepseek2": "deepseek_v2", "gemma3": "gemma3_text"}
