@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP layer: `reuse_server.api.app.create_app(engine)` builds the FastAPI app."""
+"""The OpenAI-compatible HTTP layer: `reuse_server.api.app.create_app(engine, metrics)` builds the FastAPI app."""

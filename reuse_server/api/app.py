@@ -32,9 +32,8 @@ def create_app(engine: EngineClient, metrics: MetricsPage, settings: ServerSetti
 
     app = FastAPI(title="kv-reuse-server", summary="OpenAI-compatible server that reuses KV cache",
                   lifespan=lifespan)
-    app.state.metrics = metrics
     AppState(engine, settings, tokenizing,
-             GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)).attach(app)
+             GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids), metrics).attach(app)
     install_error_handlers(app)
     app.include_router(router)
     app.openapi = lambda: _openapi(app)

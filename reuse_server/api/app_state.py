@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 
-if TYPE_CHECKING:  # annotations only: settings.py imports auth.py, which reads the app state through this module
+if TYPE_CHECKING:  # annotations only: the handlers' modules import this one, and it needs none of them to run
+    from reuse_server.api.metrics_page import MetricsPage
     from reuse_server.api.settings import ServerSettings
     from reuse_server.api.tokenizing import Tokenizing
     from reuse_server.engine.client import EngineClient
@@ -23,6 +24,7 @@ class AppState:
     settings: ServerSettings  # its api_keys and responses (the response store) too
     tokenizing: Tokenizing  # prompts are tokenized on these threads, not on the event loop
     grammars: GrammarCompiler  # tools and response_format grammars, compiled once per shape
+    metrics: MetricsPage  # what GET /metrics renders, built and wired to the engine by server/
 
     def attach(self, app: FastAPI) -> None:
         app.state.services = self

@@ -120,7 +120,7 @@ async def models(request: Request) -> Response:
                              "description": "Prometheus metrics."},
                        401: _error("No admin API key (only when the server has one).")})
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(app_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @v1.post("/completions", response_model=None, responses=_generation(CompletionResponse))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reuse_server.api.auth import ApiKeys
+from reuse_server.api.api_keys import ApiKeys
 from reuse_server.api.response_store import ResponseStore
 from reuse_server.api.tokenizing import DEFAULT_THREADS
 

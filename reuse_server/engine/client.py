@@ -47,13 +47,6 @@ class EngineClient(Protocol):
     @property
     def sizing(self) -> KVSizing: ...
 
-    # the server's metrics (server/metrics.py), which the engine feeds TTFT and request ends
-    @property
-    def metrics(self) -> Any: ...
-
-    @metrics.setter
-    def metrics(self, value: Any) -> None: ...
-
     # state, for /health, /server_info, /get_load and /v1/cache/stats
     def snapshot(self) -> dict: ...
 

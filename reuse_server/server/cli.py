@@ -73,7 +73,7 @@ def blend_flags_problem(args: argparse.Namespace) -> str | None:
 
 def tenant_keys(args: argparse.Namespace) -> list[str]:
     """--api-key values and the lines of --api-key-file; raises OSError for an unreadable file."""
-    from reuse_server.api.auth import read_key_file
+    from reuse_server.api.api_keys import read_key_file
 
     return list(args.api_keys or []) + (read_key_file(args.api_key_file) if args.api_key_file else [])
 
@@ -103,7 +103,7 @@ def serve(args: argparse.Namespace) -> int:
     from reuse_server.server.metrics import wire_metrics
     from reuse_server.server.serving import DrainingServer
 
-    from reuse_server.api.auth import ApiKeys
+    from reuse_server.api.api_keys import ApiKeys
 
     keys = ApiKeys(tenant_keys(args), args.admin_api_keys or [])
     try:

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from blend.chunking import encode
 from blend.token_cache import cache_for
-from reuse_server.api.auth import key_digest
+from reuse_server.api.api_keys import key_digest
 from reuse_server.api.tokenizing import Tokenizing
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.builder import build_engine

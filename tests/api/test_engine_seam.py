@@ -9,13 +9,12 @@ from pathlib import Path
 from starlette.requests import Request
 
 from reuse_server.api.app import create_app
+from reuse_server.server.metrics import wire_metrics
 from reuse_server.api.app_state import AppState, app_state
 from reuse_server.engine.async_engine import AsyncEngine
 from reuse_server.engine.config import EngineConfig
 
 API = Path(__file__).resolve().parents[2] / "reuse_server" / "api"
-# server/ owns the metrics' wiring (being moved out of api/app.py): the one key left on app.state besides ours
-METRICS_KEY = "metrics"
 
 
 def declared() -> set[str]:
@@ -56,12 +55,11 @@ def test_api_uses_only_what_engine_client_declares():
 
 
 def test_api_reads_the_app_state_through_app_state_only():
-    """Only app_state.py touches Starlette's app.state (and the metrics key, whose wiring is server/'s)."""
+    """Only app_state.py touches Starlette's app.state."""
     loose = sorted(f"{name}:{node.lineno} app.state.{node.attr}" for name, tree in api_trees().items()
                    if name != "app_state.py" for node in ast.walk(tree)
                    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                   and node.value.attr == "state" and ast.unparse(node.value.value).endswith("app")
-                   and node.attr != METRICS_KEY)
+                   and node.value.attr == "state" and ast.unparse(node.value.value).endswith("app"))
     assert loose == []
 
 
@@ -73,9 +71,10 @@ def test_async_engine_provides_what_engine_client_declares(tiny_llama_path):
         assert engine.model_architecture == engine.engine.model_config.architecture
         assert engine.kv_events is None  # the tiny engine publishes no KV events
 
-        app = create_app(engine)
+        metrics = wire_metrics(engine)
+        app = create_app(engine, metrics)
         state = app.state.services
-        assert isinstance(state, AppState) and state.engine is engine
+        assert isinstance(state, AppState) and state.engine is engine and state.metrics is metrics
         assert app_state(Request({"type": "http", "app": app})) is state
         assert state.grammars is not None and state.tokenizing.tokenizer is engine.tokenizer
     finally:
