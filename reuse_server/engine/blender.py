@@ -144,8 +144,7 @@ class Blender:
         prompt at once, and on a hybrid pool each of those blocks needs a window part until the prefill passes
         it: a prompt with more blocks than the window layers' pool is computed exactly instead of waiting for
         parts that can never be free together."""
-        window = self.blocks.window
-        return window is None or -(-seq.num_tokens // self.block_size) < window.num_window_blocks
+        return self.blocks.window.holds_at_once(-(-seq.num_tokens // self.block_size))
 
     # ---- admit -----------------------------------------------------------------------------
     def admit(self, seq: Sequence) -> bool:
@@ -210,8 +209,7 @@ class Blender:
     def _whole(self, block_ids: list[int]) -> bool:
         """Whether these blocks hold every layer's KV: on a hybrid pool, a block whose window part is gone
         (out of its sequence's window, or evicted) has none of its window layers' KV to reuse or register."""
-        window = self.blocks.window
-        return window is None or all(window.has(b) for b in block_ids)
+        return self.blocks.window.whole(block_ids)
 
     def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
         bs = self.block_size

@@ -32,7 +32,7 @@ class Rig:
         self.listeners = Listeners()
         self.cache = RadixCache(num_blocks, BS, identity=b"unit", listener=self.listeners)
         self.blocks = BlockManager(self.cache, BS, True, self.pool.copy_blocks, self.pool.clear_blocks,
-                                   window=self.pool.parts)
+                                   window=self.pool.window_policy())
         self.listeners.listeners.append(self.blocks)
         self.ids = 0
 
