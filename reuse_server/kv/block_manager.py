@@ -7,9 +7,11 @@ last block becomes a tail of that chain. A prompt that leaves the cached chain i
 least one full block) gets, at admission, a copy of the cached block (a tail or a child's first block)
 sharing the most of its tokens, and starts computing after the shared ones.
 
-This is the one code that changes the radix tree: every chain of full blocks goes in through `_file` (a
-tail through `file_tail`), whether a sequence publishes the blocks it computed or `store` files blocks no
-sequence computed (loaded from a tier by `load_prefix`, or a blend chunk the chunk index registers).
+This is the one code that changes the radix tree: every chain of full blocks goes in through radix's publish
+(`publish`: a sequence's computed blocks) or radix.file_blocks (`store`: blocks no sequence computed, loaded
+from a tier by `load_prefix`, or a blend chunk the chunk index registers), a tail through `file_tail`; the
+offline replay (loadgen/simulate.py) files through the same radix publish. The chunk index reads and holds the
+tree only through this class too (`lookup`, `hold`, `release_hold`, `chain_starts`: blend's BlockStore).
 Admission is three steps behind one call (`admit`): `load` (the tiers' blocks continuing the cached chain go
 into the tree: blocks are taken for what the tiers hold, the reads land in them, and the run read whole is
 filed; blocks after a hole that a tier holds are noted), `match` (match and lock the prefix, pick a partially
@@ -33,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
+from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache, file_blocks, publish
 
 from reuse_server.engine.sequence import KVState, Sequence
 from reuse_server.kv.pins import Pin, PinTable
@@ -290,6 +292,25 @@ class BlockManager:
         wanted = self.tiers.wanted(self.cache.hasher, seq.prompt_ids, hashes, seq.namespace, first_missing + 1)
         return self.tiers.held(wanted, contiguous=False)
 
+    # ---- the chunk index's reads of the tree (blend.chunk_index.BlockStore) ---------------------------
+    def lookup(self, tokens: list[int], namespace: bytes) -> MatchResult:
+        """The cached chain of `tokens` (full blocks) in `namespace`, after loading what the tiers hold
+        continuing it (so chunks computed before a restart or by another server are found). Not a query of
+        the prefix cache's statistics. Hold it (`hold`) before anything takes blocks."""
+        self.load_prefix(tokens, namespace)
+        return self.cache.match(tokens, namespace, record_stats=False)
+
+    def hold(self, match: MatchResult) -> None:
+        """Keep a looked-up chain from being evicted until `release_hold`."""
+        self.cache.lock(match.node)
+
+    def release_hold(self, match: MatchResult) -> None:
+        self.cache.unlock(match.node)
+
+    def chain_starts(self, tokens: list[int], namespaces: list[bytes]) -> list[int]:
+        """Offsets of `tokens` where a chain filed under one of `namespaces` begins (RadixCache.chain_starts)."""
+        return self.cache.chain_starts(tokens, namespaces)
+
     # ---- blocks filled from outside a sequence: the tiers, the chunk index ----------------------------
     def load_prefix(self, tokens: list[int], namespace: bytes) -> dict[str, int]:
         """Load the blocks that continue the device's cached chain of `tokens` (full blocks only) from the
@@ -354,14 +375,17 @@ class BlockManager:
         return True
 
     def _file(self, tokens: list[int], block_ids: list[int], namespace: bytes) -> InsertResult:
-        """The one way blocks go into the radix tree (publish and store): the tree takes the blocks it lacked;
-        those it already held under the same identity (filed meanwhile) are freed."""
-        result = self.cache.insert(tokens, block_ids, namespace)
-        if result.duplicate_block_ids:
+        """The one way blocks go into the radix tree for `store` (radix's file_blocks; `publish` files through
+        radix's publish, with the same hand-over): those the tree held already are freed."""
+        return file_blocks(self.cache, tokens, block_ids, namespace, self._hand_over(tokens, block_ids, namespace))
+
+    def _hand_over(self, tokens: list[int], block_ids: list[int], namespace: bytes) -> Callable[[InsertResult], None]:
+        """What filing does with the duplicates of blocks the tree held already, before they are freed: the
+        tree's copies take their window parts' pins (and parts they lack)."""
+        def hand_over(result: InsertResult) -> None:
             self.window.hand_over(block_ids, result.duplicate_block_ids,
                                   lambda: self.cache.match(tokens, namespace, record_stats=False).block_ids)
-            self.cache.free(result.duplicate_block_ids)
-        return result
+        return hand_over
 
     def _free_owned(self, blocks: list[int], pinned: bool) -> None:
         """Give caller-owned blocks back to the cache, their window parts (pinned once, or not) too."""
@@ -424,10 +448,8 @@ class BlockManager:
             return
         tokens = seq.token_ids[: full * self.block_size]
         namespace = self.publish_namespace(seq)
-        result = self._file(tokens, kv.block_table[:full], namespace)
-        self.cache.lock(result.node)
-        if kv.node is not None:
-            self.cache.unlock(kv.node)
+        filed = kv.block_table[:full]
+        result = publish(self.cache, tokens, filed, namespace, kv.node, self._hand_over(tokens, filed, namespace))
         kv.node = result.node
         kv.owned.difference_update(result.inserted_block_ids)
         if result.duplicate_block_ids:
