@@ -18,7 +18,7 @@ def create_app(engine, metrics: ServerMetrics | None = None, settings: ServerSet
     settings = settings if settings is not None else ServerSettings()
     metrics = metrics if metrics is not None else ServerMetrics(engine)
     engine.metrics = metrics  # the engine reports TTFT and request ends to it
-    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, admit=engine.admit)
+    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, check_queue_room=engine.check_queue_room)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -1,6 +1,6 @@
 """Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
 only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
-- admit: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
+- open_job: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
   offset where a filed chunk begins (not only where the client marked one: `_lookup`); if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
   (re-RoPE from positions 0..n-1 to where the chunk now sits, each layer with its own RoPE: Gemma 3's sliding
   layers with base 10k, its global ones with 1M; chunks cached alone that other text now precedes also get the
@@ -146,8 +146,8 @@ class Blender:
         parts that can never be free together."""
         return self.blocks.window.holds_at_once(-(-seq.num_tokens // self.block_size))
 
-    # ---- admit -----------------------------------------------------------------------------
-    def admit(self, seq: Sequence) -> bool:
+    # ---- open a job ------------------------------------------------------------------------
+    def open_job(self, seq: Sequence) -> bool:
         """Called right after the block manager admitted seq (its exact prefix matched): look its chunks up
         in the chunk index and, if any is cached, take blocks for the whole prompt, copy the cached KV in and
         open a job. False when those blocks are not available (no job; the caller releases seq)."""
