@@ -8,7 +8,7 @@ least one full block) gets, at admission, a copy of the cached block (a tail or 
 sharing the most of its tokens, and starts computing after the shared ones.
 
 This is the one code that changes the radix tree: every chain of full blocks goes in through radix's publish
-(`publish`: a sequence's computed blocks) or radix.file_blocks (`store`: blocks no sequence computed, loaded
+(`publish`: a sequence's computed blocks) or radix's file_blocks (`store`: blocks no sequence computed, loaded
 from a tier by `load_prefix`, or a blend chunk the chunk index registers), a tail through `file_tail`; the
 offline replay (loadgen/simulate.py) files through the same radix publish. The chunk index reads and holds the
 tree only through this class too (`lookup`, `hold`, `release_hold`, `chain_starts`: blend's BlockStore).
