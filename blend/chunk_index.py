@@ -19,26 +19,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from radix import TOKEN_DTYPE, MatchResult, RadixCache, as_token_array
+from radix import MatchResult
 
 
 @dataclass
 class ChunkHit:
     block_ids: list[int]  # chunk-namespace blocks holding positions 0..num_tokens-1 (rounded up to blocks)
     num_tokens: int  # leading tokens of the chunk whose KV is cached
-    match: MatchResult  # hold() the hit while copying out of these blocks
+    match: MatchResult  # the block store's lookup: hold() the hit while copying out of these blocks
     alone: bool = True  # the KV was computed with no other chunk before it (see the module docstring)
 
 
 class BlockStore(Protocol):
     """Where the index's blocks come from and go to: the engine's block manager, the one code that changes
-    the radix tree (blend never imports the server; the block manager fits this)."""
+    the radix tree (blend never imports the server; the block manager fits this). The index never touches
+    the tree itself: it looks up, holds and releases through the store."""
 
-    cache: RadixCache
+    def lookup(self, tokens: list[int], namespace: bytes) -> MatchResult:
+        """The cached chain of `tokens` (full blocks) in `namespace`, slower tiers' blocks continuing it loaded
+        first (so chunks computed before a restart or by another server are found)."""
 
-    def load_prefix(self, tokens: list[int], namespace: bytes) -> object:
-        """Load blocks continuing the cached chain of `tokens` from slower tiers into the cache (so chunks
-        computed before a restart or by another server are found)."""
+    def hold(self, match: MatchResult) -> None:
+        """Keep a looked-up chain's blocks from being evicted until release_hold(match)."""
+
+    def release_hold(self, match: MatchResult) -> None: ...
+
+    def chain_starts(self, tokens: list[int], namespaces: list[bytes]) -> list[int]:
+        """Offsets of `tokens` where a chain filed under one of `namespaces` begins, in order."""
 
     def store(self, tokens: list[int], fill: Callable[[list[int]], None], namespace: bytes) -> bool:
         """Take blocks for `tokens` (whole blocks), let fill(block_ids) write their KV, file them in the
@@ -48,7 +55,6 @@ class BlockStore(Protocol):
 class ChunkIndex:
     def __init__(self, blocks: BlockStore, block_size: int, pad_token: int, min_tokens: int = 32):
         self.blocks = blocks
-        self.cache = blocks.cache
         self.block_size = block_size
         self.pad_token = pad_token
         self.min_tokens = min_tokens
@@ -70,9 +76,7 @@ class ChunkIndex:
         padded = self.padded(tokens)
         best = None
         for form in ((True, False) if alone is None else (alone,)):
-            chunk_namespace = self.chunk_namespace(namespace, form)
-            self.blocks.load_prefix(padded, chunk_namespace)
-            match = self.cache.match(padded, chunk_namespace, record_stats=False)
+            match = self.blocks.lookup(padded, self.chunk_namespace(namespace, form))
             if match.num_tokens and (best is None or match.num_tokens > best.match.num_tokens):
                 best = ChunkHit(list(match.block_ids), min(match.num_tokens, len(tokens)), match, form)
         return best
@@ -82,26 +86,14 @@ class ChunkIndex:
         the block of tokens there), in order. One hash and one dict lookup per offset and form, so a prompt
         can be searched at every offset for chunks it never marked; what to reuse there is then `lookup`'s
         answer. Slower tiers are not searched (they are asked only at the offsets `lookup` is called for)."""
-        bs, hasher = self.block_size, self.cache.hasher
-        data, width = as_token_array(tokens).tobytes(), TOKEN_DTYPE.itemsize
-        children = self.cache.root.children
-        forms = [(hasher.root(ns), ns) for ns in (self.chunk_namespace(namespace, f) for f in (True, False))]
-        found = []
-        for pos in range(len(tokens) - bs + 1):
-            block = data[pos * width:(pos + bs) * width]
-            for parent, ns in forms:
-                bucket = children.get(hasher.digest(parent + block))
-                if bucket and any(child.namespace == ns for child in bucket):
-                    found.append(pos)
-                    break
-        return found
+        return self.blocks.chain_starts(tokens, [self.chunk_namespace(namespace, form) for form in (True, False)])
 
     def hold(self, hit: ChunkHit) -> None:
         """Keep a hit's blocks from being evicted (while its KV is copied out) until `release`."""
-        self.cache.lock(hit.match.node)
+        self.blocks.hold(hit.match)
 
     def release(self, hit: ChunkHit) -> None:
-        self.cache.unlock(hit.match.node)
+        self.blocks.release_hold(hit.match)
 
     def contains(self, tokens: list[int], namespace: bytes = b"", alone: bool | None = None) -> bool:
         hit = self.lookup(tokens, namespace, alone)

@@ -10,7 +10,8 @@ Model:
   request's partial last trace block are shared only with requests that carry the same id there);
 - requests run one at a time in timestamp order (ties keep file order): match (counted in the
   stats), lock the matched path, allocate blocks for the rest (evicting leaves by policy if the
-  capacity is reached), insert, and release the locks when the request ends, i.e. at once;
+  capacity is reached), publish them as the engine's block manager does (radix's `publish`: insert,
+  move the lock to the chain's end), and release the lock when the request ends, i.e. at once;
 - only full blocks are cached: a request's partial last block always misses.
 
 Output: one JSON object for one capacity (none = unlimited: enough blocks that nothing is ever
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.errors import UsageError
-from radix import POLICIES, TOKEN_DTYPE, RadixCache, check_block_size
+from radix import POLICIES, TOKEN_DTYPE, RadixCache, check_block_size, publish
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake traces give one hash id per 512 tokens
 _MAX_HASH_ID = 2**62  # a synthetic block stores the id in two int32 tokens
@@ -165,14 +166,12 @@ def replay(
     for request, n_full in zip(requests, full_blocks):
         tokens = synthetic_prompt(request.hash_ids, request.input_length)
         matched = cache.match(tokens)
-        cache.lock(matched.node)
+        cache.lock(matched.node)  # allocating must not evict what it matched
         new_blocks = cache.allocate(n_full - len(matched.block_ids))
-        inserted = cache.insert(tokens, matched.block_ids + new_blocks)
-        cache.free(inserted.duplicate_block_ids)  # none: nothing ran in between
-        cache.lock(inserted.node)
-        cache.unlock(matched.node)
-        # ...the request prefills and decodes here; in this model it ends at once...
-        cache.unlock(inserted.node)
+        # ...the request prefills here; its computed blocks go into the tree as the engine files them...
+        published = publish(cache, tokens, matched.block_ids + new_blocks, b"", held=matched.node)
+        # ...and decodes; in this model it ends at once
+        cache.unlock(published.node)
     seconds = time.perf_counter() - started
 
     stats = cache.stats()

@@ -35,12 +35,14 @@ blocks, and the current free/evictable/in-use blocks. The engine must lock a mat
 allocates, or the allocation may evict the very blocks it just matched. Not thread-safe: one owner
 (the scheduler) calls it.
 
-`reuse-loadgen simulate` (loadgen/simulate.py) replays a Mooncake trace through this cache to
-answer "how much cache would my traffic need?".
+`publish` (radix.filing) files a request's computed blocks and moves its lock to the chain's new end:
+the engine's block manager and `reuse-loadgen simulate` (loadgen/simulate.py, which replays a Mooncake trace through this
+cache to answer "how much cache would my traffic need?") both call it.
 """
 from radix.cache import InsertResult, MatchResult, PartialMatch, RadixCache
 from radix.errors import OutOfBlocks, RadixError
 from radix.events import BlockRecord, CacheListener, Listeners
+from radix.filing import file_blocks, publish
 from radix.hashing import HASH_ALGOS, BlockHasher, check_block_size
 from radix.node import TreeNode
 from radix.policy import POLICIES, EvictionPolicy, LFUPolicy, LRUPolicy
@@ -68,4 +70,6 @@ __all__ = [
     "TreeNode",
     "as_token_array",
     "check_block_size",
+    "file_blocks",
+    "publish",
 ]

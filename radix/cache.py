@@ -140,6 +140,24 @@ class RadixCache:
             self._hit_tokens += matched * self.block_size
         return MatchResult(block_ids, matched * self.block_size, node)
 
+    def chain_starts(self, tokens: TokenInput, namespaces: Sequence[bytes]) -> list[int]:
+        """Offsets of `tokens` where a chain filed under one of `namespaces` begins (its first block equals the
+        block of tokens there), in order. One hash and one dict lookup per offset and namespace, with no
+        token compare: a candidate to `match` at, not a match (the chunk index's search of a prompt)."""
+        bs, hasher = self.block_size, self.hasher
+        data, width = as_token_array(tokens).tobytes(), TOKEN_DTYPE.itemsize
+        children = self._root.children
+        roots = [(hasher.root(ns), _as_namespace(ns)) for ns in namespaces]
+        found = []
+        for pos in range(len(data) // width - bs + 1):
+            block = data[pos * width:(pos + bs) * width]
+            for parent, ns in roots:
+                bucket = children.get(hasher.digest(parent + block))
+                if bucket and any(child.namespace == ns for child in bucket):
+                    found.append(pos)
+                    break
+        return found
+
     def insert(self, tokens: TokenInput, block_ids: Sequence[int], namespace: bytes = b"") -> InsertResult:
         """Add the full blocks of `tokens`, whose KV lies in `block_ids` (block i holds tokens[i*bs:(i+1)*bs]).
 

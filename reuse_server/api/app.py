@@ -19,7 +19,7 @@ from reuse_server.engine.client import EngineClient
 def create_app(engine: EngineClient, metrics: MetricsPage, settings: ServerSettings | None = None) -> FastAPI:
     """metrics: what GET /metrics serves, built by the server and wired to the engine (server/metrics.py)."""
     settings = settings if settings is not None else ServerSettings()
-    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, admit=engine.admit)
+    tokenizing = Tokenizing(engine.tokenizer, settings.tokenizer_threads, check_queue_room=engine.check_queue_room)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

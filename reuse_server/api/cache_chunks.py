@@ -87,7 +87,7 @@ async def precompute_chunks(engine: EngineClient, body: CacheChunksRequest, requ
     check_lengths(chunks, engine.max_model_len, len(opening))  # before any KV block is touched
     min_tokens = engine.config.blend_min_tokens
     todo = [i for i, ids in enumerate(chunks) if len(ids) >= min_tokens]
-    engine.admit(len(todo))  # then every chunk is submitted at once, nothing admitted in between
+    engine.check_queue_room(len(todo))  # then every chunk is submitted at once, nothing let in between
     streams = [start_precompute(engine, opening, chunks[i], body.cache_salt, tenant, request.state.deadline)
                for i in todo]
     try:

@@ -29,7 +29,7 @@ async def prefetch(engine: EngineClient, body: CachePrefetchRequest, request: Re
     else:
         prompt_ids, _ = await tokenizing.run(completion_prompt, tokenizer, body.prompt, engine.config.blend_separator)
     engine.validate_prompt(prompt_ids, SamplingParams(max_tokens=1))  # before any KV block is touched
-    engine.admit(1)
+    engine.check_queue_room(1)
     stream = engine.prefetch(f"prefetch-{uuid.uuid4().hex}", prompt_ids,
                              CacheOptions(cache_salt=body.cache_salt, tenant=tenant), request.state.deadline)
     try:

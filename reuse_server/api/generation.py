@@ -130,9 +130,9 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 def generate_choices(engine: EngineClient, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      options: CacheOptions, n: int, deadline: float | None = None) -> "ChoiceOutputs":
-    """Admit and start the n choices of a request at once (nothing else is admitted in between); their
+    """Let in and start the n choices of a request at once (nothing else is let in between); their
     outputs as they come, each with its choice index. Raises (429, 503) before anything is queued."""
-    engine.admit(n)
+    engine.check_queue_room(n)
     return ChoiceOutputs([engine.generate(request_id if n == 1 else f"{request_id}-{i}", prompt_ids, p, options,
                                           deadline)
                           for i, p in enumerate(choice_params(params, n))])

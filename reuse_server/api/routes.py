@@ -209,7 +209,7 @@ async def _answer(handler: Handler, body: BaseModel, request: Request) -> Respon
     timeout = state.settings.request_timeout
     request.state.deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     try:
-        engine.admit(0)  # refused at once while shutting down or dead, before tokenizing anything
+        engine.check_queue_room(0)  # refused at once while shutting down or dead, before tokenizing anything
         return await handler(engine, body, request)
     except (InvalidRequest, ModelNotFound, NotFound, ClientDisconnected, *SERVICE_ERRORS):
         raise  # the app's handlers turn these into 4xx (and 503s that say why)

@@ -40,12 +40,12 @@ class TenantTokenizer:
 
 class Tokenizing:
     def __init__(self, tokenizer: Any, threads: int = DEFAULT_THREADS, tenant_views: int = TENANT_VIEWS,
-                 admit: Callable[..., None] | None = None) -> None:
-        """admit(count, ahead=n): raises (QueueFull) unless `count` more requests may wait besides the queue and
-        `n` requests being tokenized (the async engine's admit); None: no bound."""
+                 check_queue_room: Callable[..., None] | None = None) -> None:
+        """check_queue_room(count, ahead=n): raises (QueueFull) unless `count` more requests may wait besides the
+        queue and `n` requests being tokenized (the async engine's); None: no bound."""
         self.tokenizer = tokenizer
-        self._admit = admit
-        self.in_progress = 0  # requests admitted and being tokenized
+        self._check_queue_room = check_queue_room
+        self.in_progress = 0  # requests let in and being tokenized
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
         self._views: OrderedDict[str, TenantTokenizer] = OrderedDict()
         self._max_views = tenant_views
@@ -63,8 +63,8 @@ class Tokenizing:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on a tokenizing thread; refused first (QueueFull) when the queue and the requests being
         tokenized already fill --max-waiting."""
-        if self._admit is not None:
-            self._admit(1, ahead=self.in_progress)
+        if self._check_queue_room is not None:
+            self._check_queue_room(1, ahead=self.in_progress)
         self.in_progress += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))

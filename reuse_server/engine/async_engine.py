@@ -10,7 +10,7 @@ libgomp keeps one pool of worker threads per thread that starts regions, and onc
 than there are CPUs it spins only ~100 times before a worker sleeps: every region then pays a futex wake, so a
 model loaded on one thread and run on another makes every step slower.
 
-Admission: `admit(n)` refuses work before anything is queued (no KV block touched) when the engine is dead,
+Queue room: `check_queue_room(n)` refuses work before anything is queued (no KV block touched) when the engine is dead,
 the server is draining for shutdown, or more than `max_waiting` requests would wait. A step that raises
 leaves the pool's KV in an unknown state, so the engine is then declared dead (as vLLM does): every request
 fails with EngineDeadError, new ones are refused, and /health says why, rather than serving KV that may be wrong.
@@ -61,8 +61,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._snapshot = engine.snapshot()
         self._started = threading.Event()  # start() has handed over the event loop
-        # Waiting requests, counted at admission: adds still in the inbox plus the scheduler's queue as the
-        # engine thread last saw it (updated together, under the lock, so the sum never undercounts).
+        # Waiting requests, counted when queue room is checked: adds still in the inbox plus the scheduler's queue
+        # as the engine thread last saw it (updated together, under the lock, so the sum never undercounts).
         self._count_lock = threading.Lock()
         self._inbox_adds = 0
         self._engine_waiting = 0
@@ -231,16 +231,16 @@ class AsyncEngine:
     # requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a request's prompt and parameters (LLMEngine.validate), on the caller's thread: the one check a
-        request gets, before it is admitted, so bad input is refused before any output or KV block. Returns
+        request gets, before it is queued, so bad input is refused before any output or KV block. Returns
         the parameters to submit (its output limit fitted to the context and --max-tokens). The submissions
         below take validated input."""
         return self.engine.validate(prompt_token_ids, params)
 
-    def admit(self, count: int = 1, ahead: int = 0) -> None:
+    def check_queue_room(self, count: int = 1, ahead: int = 0) -> None:
         """Raise unless `count` more requests may be queued now. A request bigger than the whole queue (n
-        choices, many precomputed chunks) is admitted only into an empty one, so it is not refused forever.
-        Call it right before generate(), with no await in between, so that nothing else is admitted meanwhile.
-        ahead: requests admitted already and not queued yet (being tokenized), counted as waiting."""
+        choices, many precomputed chunks) is let in only into an empty one, so it is not refused forever.
+        Call it right before generate(), with no await in between, so that nothing else is let in meanwhile.
+        ahead: requests let in already and not queued yet (being tokenized), counted as waiting."""
         reason = self.unavailable_reason()
         if reason is not None:
             raise self._refusal(reason)
@@ -268,13 +268,13 @@ class AsyncEngine:
 
     def _refuse_if_dead(self) -> None:
         """Raise EngineDeadError (EngineStalled while the watchdog says so) unless the engine thread runs and
-        takes work. Draining is admit()'s alone to refuse: choices admitted before the drain began still start."""
+        takes work. Draining is check_queue_room()'s alone to refuse: choices let in before the drain began still start."""
         reason = self.unavailable_reason()
         if reason is not None and not (self.draining and self.dead_reason is None and self.stalled_reason is None):
             raise self._refusal(reason)
 
     def _open(self, submission: Submission, deadline: float | None) -> "RequestStream":
-        self._refuse_if_dead()  # what admit() let in may meet a dead engine: its stream must not wait forever
+        self._refuse_if_dead()  # what check_queue_room() let in may meet a dead engine: its stream must not wait forever
         stream = RequestStream(self, submission.request_id, deadline)
         self._queues[submission.request_id] = stream.queue
         with self._count_lock:

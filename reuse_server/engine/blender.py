@@ -1,6 +1,6 @@
 """Non-prefix reuse inside the engine (CacheBlend): fill a prompt's KV from the chunk index, then recompute
 only the tokens whose reused KV deviates most. The Blender owns a blended prefill from admission to its end:
-- admit: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
+- open_job: after the exact prefix match, look the rest of the prompt's spans up in the chunk index, at every
   offset where a filed chunk begins (not only where the client marked one: `_lookup`); if any is cached, take blocks for the whole prompt, copy those tokens' KV in through the pool
   (re-RoPE from positions 0..n-1 to where the chunk now sits, each layer with its own RoPE: Gemma 3's sliding
   layers with base 10k, its global ones with 1M; chunks cached alone that other text now precedes also get the
@@ -128,11 +128,10 @@ class Blender:
         prompt at once, and on a hybrid pool each of those blocks needs a window part until the prefill passes
         it: a prompt with more blocks than the window layers' pool is computed exactly instead of waiting for
         parts that can never be free together."""
-        window = self.blocks.window
-        return window is None or -(-seq.num_tokens // self.block_size) < window.num_window_blocks
+        return self.blocks.window.holds_at_once(-(-seq.num_tokens // self.block_size))
 
-    # ---- admit -----------------------------------------------------------------------------
-    def admit(self, seq: Sequence) -> bool:
+    # ---- open a job ------------------------------------------------------------------------
+    def open_job(self, seq: Sequence) -> bool:
         """Called right after the block manager admitted seq (its exact prefix matched): look its chunks up
         in the chunk index and, if any is cached, take blocks for the whole prompt, copy the cached KV in and
         open a job. False when those blocks are not available (no job; the caller releases seq)."""
@@ -194,8 +193,7 @@ class Blender:
     def _whole(self, block_ids: list[int]) -> bool:
         """Whether these blocks hold every layer's KV: on a hybrid pool, a block whose window part is gone
         (out of its sequence's window, or evicted) has none of its window layers' KV to reuse or register."""
-        window = self.blocks.window
-        return window is None or all(window.has(b) for b in block_ids)
+        return self.blocks.window.whole(block_ids)
 
     def _slots(self, block_table: list[int], positions: range) -> torch.Tensor:
         bs = self.block_size

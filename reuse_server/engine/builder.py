@@ -111,11 +111,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         events.root = cache.hasher.root
         if tiers is not None:
             tiers.events = events
-    window = pool.parts if pool.layered else None
-    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers, window,
-                          config.max_pinned_share)
-    if window is not None:
-        listeners.listeners.append(blocks)  # last: the tiers copy an evicted block out before its part goes
+    blocks = BlockManager(cache, bs, config.enable_prefix_cache, pool.copy_blocks, pool.clear_blocks, tiers,
+                          pool.window_policy(), config.max_pinned_share)
+    listeners.listeners.append(blocks)  # last: the tiers copy an evicted block out before its window part goes
     chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
@@ -153,9 +151,9 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         events=events)
     log.info("model fingerprint %s; KV pool %d blocks of %d tokens in %s, %.0f bytes a token (%.0f MiB)",
              identity.short, num_blocks, bs, kv_quant.spec(pool.dtype).name, pool.bytes_per_token, pool.nbytes / 2**20)
-    if window is not None:
+    if pool.layered:
         log.info("the %d sliding-window layers' KV (window %d) in a pool of its own: %d blocks, %.0f bytes a token",
-                 len(pool.window_layers), pool.window, window.num_window_blocks - 1, pool.window_bytes_per_token)
+                 len(pool.window_layers), pool.window, pool.parts.num_window_blocks - 1, pool.window_bytes_per_token)
     _return_freed_memory()
     return parts
 

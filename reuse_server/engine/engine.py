@@ -347,27 +347,20 @@ class LLMEngine:
         bs = self.pool.block_size
         owned_blocks = owned_tokens = 0
         for seq in self.seqs.values():
-            pool = seq.kv
-            owned_blocks += len(pool.owned)
-            owned_tokens += max(0, pool.num_computed - pool.num_published * bs) + len(pool.filled) * bs
-        per_block = self.pool.layout.nbytes
+            kv = seq.kv
+            owned_blocks += len(kv.owned)
+            owned_tokens += max(0, kv.num_computed - kv.num_published * bs) + len(kv.filled) * bs
         held = stats.cached_tokens + owned_tokens
-        used = stats.total_blocks - stats.free_blocks
-        if self.pool.layered:  # every used block's full-attention layers, and the window parts held
-            window = self.pool.parts.stats()
-            held_bytes = (used * self.pool.full.layout.nbytes + (window["window_blocks_pinned"]
-                          + window["window_blocks_cached"]) * self.pool.windowed.layout.nbytes)
-        else:
-            window, held_bytes = {}, used * per_block
+        pool = self.pool.memory(stats.total_blocks - stats.free_blocks)
         return dict(
-            kv_dtype=str(self.pool.dtype).removeprefix("torch."), block_size=bs, bytes_per_block=per_block,
-            pool_bytes=self.pool.nbytes, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
+            kv_dtype=pool.kv_dtype, block_size=bs, bytes_per_block=pool.bytes_per_block,
+            pool_bytes=pool.pool_bytes, total_blocks=stats.total_blocks, free_blocks=stats.free_blocks,
             cached_blocks=stats.cached_blocks, cached_tokens=stats.cached_tokens,
             sequence_blocks=owned_blocks, sequence_tokens=owned_tokens, held_tokens=held,
             empty_slots=(stats.cached_blocks + owned_blocks) * bs - held,
-            held_bytes=held_bytes,  # the KV bytes the used blocks take
+            held_bytes=pool.held_bytes,  # the KV bytes the used blocks take
             # a hybrid model's window layers, in a pool of their own: parts running requests pin, cached, free
-            **window,
+            **pool.window,
         )
 
     def close(self, timeout: float = 10.0) -> bool:

@@ -164,7 +164,7 @@ class Scheduler:
                 admission = self.blocks.admit(seq, budget, approximate)  # pins held the blocks no one else would free
             if admission is None:
                 break  # the pool is full: wait for blocks to come back
-            if blends and not self.blender.admit(seq):
+            if blends and not self.blender.open_job(seq):
                 self.blocks.release(seq)
                 break
             self.blocks.renew_pins(seq, self.now)

@@ -7,20 +7,23 @@ last block becomes a tail of that chain. A prompt that leaves the cached chain i
 least one full block) gets, at admission, a copy of the cached block (a tail or a child's first block)
 sharing the most of its tokens, and starts computing after the shared ones.
 
-This is the one code that changes the radix tree: every chain of full blocks goes in through `_file` (a
-tail through `file_tail`), whether a sequence publishes the blocks it computed or `store` files blocks no
-sequence computed (loaded from a tier by `load_prefix`, or a blend chunk the chunk index registers).
+This is the one code that changes the radix tree: every chain of full blocks goes in through radix's publish
+(`publish`: a sequence's computed blocks) or radix's file_blocks (`store`: blocks no sequence computed, loaded
+from a tier by `load_prefix`, or a blend chunk the chunk index registers), a tail through `file_tail`; the
+offline replay (loadgen/simulate.py) files through the same radix publish. The chunk index reads and holds the
+tree only through this class too (`lookup`, `hold`, `release_hold`, `chain_starts`: blend's BlockStore).
 Admission is three steps behind one call (`admit`): `load` (the tiers' blocks continuing the cached chain go
 into the tree: blocks are taken for what the tiers hold, the reads land in them, and the run read whole is
 filed; blocks after a hole that a tier holds are noted), `match` (match and lock the prefix, pick a partially
 shared block) and `allocate` (take the first slice's blocks, copy the shared block in, read the blocks after
 the hole into the sequence's own).
 
-A hybrid model (sliding-window layers beside full-attention ones) keeps its window layers' KV in parts of their
-own (`kv/window_parts.py`), which this class alone changes: every block a sequence takes gets a part, pinned;
-the parts of blocks that leave the sequence's window are unpinned as it advances (freed where the sequence
-owns the block, cached where the tree holds it); and a match is usable only up to where the window before the
-reuse point still has its parts (`_window_usable`). The tree's eviction of a block frees its part (`removed`).
+What a model's sliding-window layers need is the window policy's (`kv/window_policy.py`), chosen once with the
+pool: `NoWindow` (every block holds every layer: each step a no-op) or `SlidingWindow` (a hybrid model's window
+layers keep their KV in parts of their own, `kv/window_parts.py`, which this class alone changes, through the
+policy: every block a sequence takes gets a part, pinned; parts leave as the sequence's window slides; a match
+is usable only where the window before the reuse point has its parts; the tree's eviction of a block frees its
+part, `removed`). The story below is told once for both.
 
 Prompt-cache pins (`kv/pins.py`) are the block manager's too: a computed prompt's breakpoints pin their prefixes
 (`pin_breakpoints`), an admission that reads a pinned prefix renews it (`renew_pins`), and pins expire by the
@@ -32,11 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache
+from radix import BlockRecord, InsertResult, MatchResult, OutOfBlocks, PartialMatch, RadixCache, file_blocks, publish
 
 from reuse_server.kv.kv_sequence import KVSequence, KVState
 from reuse_server.kv.pins import Pin, PinTable
-from reuse_server.kv.window_parts import WindowParts
+from reuse_server.kv.window_policy import NoWindow, WindowPolicy
 
 # Blended KV is close to, not equal to, what a full prefill computes. It is filed under its own namespace,
 # one per blending setting (recompute ratio and selection settings), so that requests which did not ask for
@@ -90,19 +93,20 @@ class BlockManager:
     def __init__(self, cache: RadixCache, block_size: int, enable_prefix_cache: bool = True,
                  copy_blocks: Callable[[list[int], list[int]], None] | None = None,
                  clear_blocks: Callable[[list[int]], None] | None = None, tiers=None,
-                 window: WindowParts | None = None, max_pinned_share: float = 0.25) -> None:
+                 window: WindowPolicy | None = None, max_pinned_share: float = 0.25) -> None:
         """copy_blocks: the KV pool's block copy (None: partial blocks are never reused, as in tests of the
         accounting alone); clear_blocks: the pool's reset of blocks a sequence newly takes (an fp8 pool's
         block scales must not carry a previous owner's range); tiers: the KV tiers below the pool
-        (tiers.KVTiers), if any; window: a hybrid pool's window parts (None: the pool holds every layer of
-        every block). Register the manager as a listener of the cache (after the tiers) when it has a window."""
+        (tiers.KVTiers), if any; window: the pool's window policy (pool.window_policy(); None: NoWindow, the pool
+        holds every layer of every block). Register the manager as a listener of the cache (after the tiers):
+        a sliding window frees the parts of the blocks the tree evicts."""
         self.cache = cache
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.copy_blocks = copy_blocks
         self.clear_blocks = clear_blocks
         self.tiers = tiers
-        self.window = window
+        self.window = window if window is not None else NoWindow()
         self.pins = PinTable()
         self.pin_budget = int(max_pinned_share * cache.num_blocks)  # blocks, per tenant
         self.pins_given_way = 0  # pins released before their time (a tenant's share, a full pool)
@@ -209,9 +213,7 @@ class BlockManager:
         kv.block_table = list(match.block_ids)
         kv.num_computed = match.num_tokens
         kv.num_published = len(match.block_ids)
-        if self.window is not None:
-            kv.window_from = self.window.first_needed(match.num_tokens) if match.block_ids else 0
-            self.window.pin(kv.block_table[kv.window_from:])
+        self.window.start(kv, match.num_tokens)
         if not match.num_tokens or not self._reuses_partial_blocks(seq):
             # Not at the very start: a few shared template tokens would save nothing and cost the prefill its
             # causal kernel (it would start at position 3 with a mask).
@@ -219,7 +221,7 @@ class BlockManager:
         # The prompt leaves the cached chain inside a block: copy the cached block that shares the most of
         # its tokens and compute only from the divergence on.
         partial = self.cache.match_partial(match.node, tokens[match.num_tokens:], namespace)
-        if partial is not None and self.window is not None and not self.window.has(partial.block_id):
+        if partial is not None and not self.window.has_kv(partial.block_id):
             partial = None  # its window layers' KV is gone: the copy would lack it
         if self.tiers is not None and not kv.approximate:  # a pool hit's partial block, missed from a tier
             held = self._tier_partial(seq, tokens, match.num_tokens)
@@ -227,8 +229,7 @@ class BlockManager:
                 partial = held
         if isinstance(partial, PartialMatch):
             self.cache.lock(partial.node)  # allocating must not evict it before the copy
-            if self.window is not None:
-                self.window.pin([partial.block_id])  # nor its window part
+            self.window.pin([partial.block_id])  # nor its window part
         if partial is not None:
             kv.num_computed += partial.num_tokens
         return partial
@@ -249,22 +250,10 @@ class BlockManager:
         where it ends at the last block boundary whose window (the blocks a query there still sees) has its
         window parts."""
         match = self.cache.match(tokens, namespace, record_stats=False)
-        if self.window is None or not match.block_ids:
-            return match
-        usable = self._window_usable(match.block_ids)
+        usable = self.window.usable(match.block_ids)
         if usable == len(match.block_ids):
             return match
         return self.cache.match(tokens[:usable * self.block_size], namespace, record_stats=False)
-
-    def _window_usable(self, block_ids: list[int]) -> int:
-        """The most leading blocks of a chain after which a query finds every window part it sees."""
-        missing = [0]  # missing[i]: blocks without a part among the first i
-        for block in block_ids:
-            missing.append(missing[-1] + (not self.window.has(block)))
-        for end in range(len(block_ids), 0, -1):
-            if missing[end] == missing[self.window.first_needed(end * self.block_size)]:
-                return end
-        return 0
 
     def allocate(self, seq: KVSequence, first_slice_tokens: int, partial: PartialMatch | TierPartial | None,
                  loaded: Loaded) -> bool:
@@ -284,8 +273,7 @@ class BlockManager:
             if admitted:  # the copy is the sequence's own block: it writes after the shared tokens
                 self.copy_blocks([partial.block_id], [kv.block_table[kv.num_published]])
             self.cache.unlock(partial.node)
-            if self.window is not None:
-                self.window.unpin([partial.block_id])
+            self.window.unpin([partial.block_id])
         if not admitted:
             self.release(seq)
             return False
@@ -303,6 +291,25 @@ class BlockManager:
             return None
         wanted = self.tiers.wanted(self.cache.hasher, seq.prompt_ids, hashes, seq.namespace, first_missing + 1)
         return self.tiers.held(wanted, contiguous=False)
+
+    # ---- the chunk index's reads of the tree (blend.chunk_index.BlockStore) ---------------------------
+    def lookup(self, tokens: list[int], namespace: bytes) -> MatchResult:
+        """The cached chain of `tokens` (full blocks) in `namespace`, after loading what the tiers hold
+        continuing it (so chunks computed before a restart or by another server are found). Not a query of
+        the prefix cache's statistics. Hold it (`hold`) before anything takes blocks."""
+        self.load_prefix(tokens, namespace)
+        return self.cache.match(tokens, namespace, record_stats=False)
+
+    def hold(self, match: MatchResult) -> None:
+        """Keep a looked-up chain from being evicted until `release_hold`."""
+        self.cache.lock(match.node)
+
+    def release_hold(self, match: MatchResult) -> None:
+        self.cache.unlock(match.node)
+
+    def chain_starts(self, tokens: list[int], namespaces: list[bytes]) -> list[int]:
+        """Offsets of `tokens` where a chain filed under one of `namespaces` begins (RadixCache.chain_starts)."""
+        return self.cache.chain_starts(tokens, namespaces)
 
     # ---- blocks filled from outside a sequence: the tiers, the chunk index ----------------------------
     def load_prefix(self, tokens: list[int], namespace: bytes) -> dict[str, int]:
@@ -350,7 +357,7 @@ class BlockManager:
             blocks = self.cache.allocate(len(tokens) // self.block_size - len(cached))
         except OutOfBlocks:
             return False
-        if self.window is not None and not self.window.attach(blocks):
+        if not self.window.attach(blocks):
             self.cache.free(blocks)
             return False
         try:
@@ -363,31 +370,26 @@ class BlockManager:
             blocks, tokens = blocks[:filled], tokens[:(len(cached) + filled) * self.block_size]
             if not blocks:
                 return False
-        if self.window is not None:
-            self.window.unpin(blocks)  # cached with the tree's blocks: no sequence needs them yet
+        self.window.unpin(blocks)  # cached with the tree's blocks: no sequence needs them yet
         self._file(tokens, list(cached) + blocks, namespace)
         return True
 
     def _file(self, tokens: list[int], block_ids: list[int], namespace: bytes) -> InsertResult:
-        """The one way blocks go into the radix tree (publish and store): the tree takes the blocks it lacked;
-        those it already held under the same identity (filed meanwhile) are freed."""
-        result = self.cache.insert(tokens, block_ids, namespace)
-        if result.duplicate_block_ids:
-            if self.window is not None:  # the tree's copies take the duplicates' pins (and parts they lack)
-                duplicates = set(result.duplicate_block_ids)
-                tree_ids = self.cache.match(tokens, namespace, record_stats=False).block_ids
-                for mine, theirs in zip(block_ids, tree_ids):
-                    if mine in duplicates:
-                        self.window.hand_over(mine, theirs)
-            self.cache.free(result.duplicate_block_ids)
-        return result
+        """The one way blocks go into the radix tree for `store` (radix's file_blocks; `publish` files through
+        radix's publish, with the same hand-over): those the tree held already are freed."""
+        return file_blocks(self.cache, tokens, block_ids, namespace, self._hand_over(tokens, block_ids, namespace))
+
+    def _hand_over(self, tokens: list[int], block_ids: list[int], namespace: bytes) -> Callable[[InsertResult], None]:
+        """What filing does with the duplicates of blocks the tree held already, before they are freed: the
+        tree's copies take their window parts' pins (and parts they lack)."""
+        def hand_over(result: InsertResult) -> None:
+            self.window.hand_over(block_ids, result.duplicate_block_ids,
+                                  lambda: self.cache.match(tokens, namespace, record_stats=False).block_ids)
+        return hand_over
 
     def _free_owned(self, blocks: list[int], pinned: bool) -> None:
         """Give caller-owned blocks back to the cache, their window parts (pinned once, or not) too."""
-        if self.window is not None:
-            if pinned:
-                self.window.unpin(blocks)
-            self.window.drop(blocks)
+        self.window.free(blocks, pinned)
         self.cache.free(blocks)
 
     def removed(self, records: list[BlockRecord]) -> None:
@@ -416,7 +418,7 @@ class BlockManager:
             new = self.cache.allocate(need)
         except OutOfBlocks:
             return False
-        if self.window is not None and not self.window.attach(new):
+        if not self.window.attach(new):
             self.cache.free(new)
             return False
         if self.clear_blocks is not None:
@@ -434,20 +436,7 @@ class BlockManager:
             kv.filled.discard(kv.num_computed // self.block_size)
             kv.num_computed += self.block_size
         self.publish(seq)
-        if self.window is not None:
-            self._slide(seq)
-
-    def _slide(self, seq: KVSequence) -> None:
-        """Unpin the window parts of seq's blocks that no query of seq can see any more: freed where seq owns
-        the block (nothing else can use its part), cached where the tree has it."""
-        kv = seq.kv
-        end = min(self.window.first_needed(kv.num_computed), len(kv.block_table))
-        if end <= kv.window_from:
-            return
-        passed = kv.block_table[kv.window_from:end]
-        self.window.unpin(passed)
-        self.window.drop([b for b in passed if b in kv.owned])
-        kv.window_from = end
+        self.window.slide(kv, kv.num_computed)
 
     def publish(self, seq: KVSequence) -> None:
         """Hand seq's computed full blocks to the radix tree (so concurrent and later requests hit them)."""
@@ -459,10 +448,8 @@ class BlockManager:
             return
         tokens = seq.token_ids[: full * self.block_size]
         namespace = self.publish_namespace(seq)
-        result = self._file(tokens, kv.block_table[:full], namespace)
-        self.cache.lock(result.node)
-        if kv.node is not None:
-            self.cache.unlock(kv.node)
+        filed = kv.block_table[:full]
+        result = publish(self.cache, tokens, filed, namespace, kv.node, self._hand_over(tokens, filed, namespace))
         kv.node = result.node
         kv.owned.difference_update(result.inserted_block_ids)
         if result.duplicate_block_ids:
@@ -485,14 +472,13 @@ class BlockManager:
             except OutOfBlocks:
                 kv.unpublishable = True  # never file approximate KV where exact KV is expected
                 return
-            pinned = kv.block_table[kv.window_from:n] if self.window is not None else []
-            if pinned and not self.window.attach(copies[kv.window_from:]):
+            originals = self.window.attach_copies(kv, copies)
+            if originals is None:
                 self.cache.free(copies)
                 kv.unpublishable = True
                 return
-            self.copy_blocks(kv.block_table[:n], copies)  # a copy without a window part takes no window KV
-            if pinned:
-                self.window.unpin(pinned)
+            self.copy_blocks(kv.block_table[:n], copies)
+            self.window.unpin(originals)
             kv.block_table[:n] = copies
             kv.owned.update(copies)
             self.cache.unlock(kv.node)
@@ -539,10 +525,7 @@ class BlockManager:
             if pin is not None:  # it stops before the block this breakpoint falls in: pinned again with it
                 ttl = max(ttl, pin.ttl)
                 self._unpin(pin)
-            window = []
-            if self.window is not None:  # the window before the reuse point, which a hit needs whole
-                window = [b for b in held.block_ids[self.window.first_needed(match.num_tokens):] if self.window.has(b)]
-                self.window.pin(window)
+            window = self.window.pin_before(held.block_ids, match.num_tokens)
             self.cache.pin(held.node)
             self.pins.add(match.node, held.node, tenant, held.num_tokens, ttl, now, window)
         while self.pins.blocks_of(tenant) > self.pin_budget:
@@ -581,8 +564,7 @@ class BlockManager:
 
     def _unpin(self, pin: Pin) -> None:
         self.pins.remove(pin)
-        if pin.window_blocks:
-            self.window.unpin(pin.window_blocks)
+        self.window.unpin(pin.window_blocks)
         self.cache.unpin(pin.held)
 
     def stored_prompt_tokens(self, seq: KVSequence, cached_tokens: int) -> int:
@@ -596,8 +578,7 @@ class BlockManager:
         so does the partial last block, as a tail."""
         self.file_tail(seq)
         kv = seq.kv
-        if self.window is not None:
-            self.window.unpin(kv.block_table[kv.window_from:])
+        self.window.release(kv)
         if kv.owned:
             self._free_owned(sorted(kv.owned), pinned=False)
         if kv.node is not None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from reuse_server.kv.block_codec import BlockLayout
-from reuse_server.kv.pool import KVPool, import_in_runs
+from reuse_server.kv.pool import KVPool, PoolMemory, import_in_runs
 from reuse_server.kv.window_parts import WindowParts
+from reuse_server.kv.window_policy import SlidingWindow
 
 
 class GroupedLayout:
@@ -152,6 +153,18 @@ class LayeredKVPool:
     def exportable(self, block: int) -> bool:
         """Whether the block's KV is whole here (its window part too), so that a tier can take it."""
         return self.parts.has(block)
+
+    def window_policy(self) -> SlidingWindow:
+        """What the block manager does for the window layers here: hold their parts while a window needs them."""
+        return SlidingWindow(self.parts)
+
+    def memory(self, used_blocks: int) -> PoolMemory:
+        """Every used block's full-attention layers, and the window parts held (pinned or cached); the window
+        parts' counts (running requests pin, cached, free) beside."""
+        window = self.parts.stats()
+        held = window["window_blocks_pinned"] + window["window_blocks_cached"]
+        return PoolMemory(str(self.dtype).removeprefix("torch."), self.layout.nbytes, self.nbytes,
+                          used_blocks * self.full.layout.nbytes + held * self.windowed.layout.nbytes, window)
 
     # ---- per layer ---------------------------------------------------------------------------------
     def read(self, layer: int, slots: torch.Tensor):

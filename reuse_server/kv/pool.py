@@ -29,13 +29,27 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from reuse_server.kv import block_codec, layout as kv_layout, quant as kv_quant
 from reuse_server.kv.block_codec import BlockLayout
+from reuse_server.kv.window_policy import NoWindow
 
 K, V = 0, 1
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """What a pool reports of its memory (LLMEngine.memory shows it): the storage dtype, a block's bytes (every
+    layer), the pool's bytes, the bytes its used blocks take, and a hybrid pool's window-part counts."""
+
+    kv_dtype: str
+    bytes_per_block: int
+    pool_bytes: int
+    held_bytes: int
+    window: dict = field(default_factory=dict)
 
 
 class KVPool:
@@ -141,6 +155,15 @@ class KVPool:
     def exportable(self, block: int) -> bool:
         """Whether the block's KV is whole here for a tier to take (always, in a pool of one layer group)."""
         return True
+
+    def window_policy(self) -> NoWindow:
+        """What the block manager does for window layers here: nothing (this pool holds every layer of a block)."""
+        return NoWindow()
+
+    def memory(self, used_blocks: int) -> PoolMemory:
+        """This pool's memory figures, `used_blocks` of its blocks being in use or cached."""
+        return PoolMemory(str(self.dtype).removeprefix("torch."), self.layout.nbytes, self.nbytes,
+                          used_blocks * self.layout.nbytes)
 
     @property
     def num_slots(self) -> int:

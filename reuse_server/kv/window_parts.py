@@ -16,7 +16,8 @@ own block table):
 A block whose part was evicted keeps its full-attention KV in the tree: a prompt can still reuse it as long as
 the window before its reuse point has parts (`BlockManager` trims a match to that).
 
-Written by the block manager only; the pool reads `table` to find a block's window part."""
+Written by the block manager only (through `kv/window_policy.SlidingWindow`); the pool reads `table` to find a
+block's window part."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict

@@ -25,11 +25,11 @@ def test_store_frees_what_the_tree_already_holds_and_says_when_there_is_no_room(
     chunk = list(range(10, 21))  # 3 blocks
     store(idx, chunk)
     store(idx, chunk)  # the same identity again: the second copy's blocks go back
-    stats = idx.cache.stats()
+    stats = idx.blocks.cache.stats()
     assert stats.cached_blocks == 3 and stats.in_use_blocks == 0
     idx.hold(idx.lookup(chunk))
     assert not idx.store(list(range(30, 47)), lambda blocks: None)  # 5 blocks, 3 free, the rest held
-    assert idx.cache.stats().in_use_blocks == 3  # only the held hit
+    assert idx.blocks.cache.stats().in_use_blocks == 3  # only the held hit
 
 
 def test_whole_chunk_including_its_partial_tail_is_found():
@@ -53,7 +53,7 @@ def test_namespace_and_model_separate_equal_tokens():
     theirs = index(cache=RadixCache(64, BS, identity=b"model-b"))
     store(ours, chunk)
     store(theirs, chunk)
-    key = lambda idx: idx.cache.hasher.hash_blocks(idx.padded(chunk), idx.chunk_namespace())
+    key = lambda idx: idx.blocks.cache.hasher.hash_blocks(idx.padded(chunk), idx.chunk_namespace())
     assert key(ours) != key(theirs) and ours.lookup(chunk) is not None
 
 
@@ -69,18 +69,18 @@ def test_chunks_below_the_minimum_are_ignored_and_prompts_never_collide_with_chu
     idx = index(min_tokens=6)
     assert idx.lookup([1, 2, 3]) is None
     chunk = list(range(30, 38))
-    idx.cache.insert(chunk, idx.cache.allocate(2))  # the same tokens as an ordinary prompt
+    idx.blocks.cache.insert(chunk, idx.blocks.cache.allocate(2))  # the same tokens as an ordinary prompt
     assert idx.lookup(chunk) is None
 
 
 def test_chunk_blocks_are_evictable_in_the_one_accounting():
     idx = index(num_blocks=6)
     store(idx, list(range(10, 22)))  # 3 blocks
-    s = idx.cache.stats()
+    s = idx.blocks.cache.stats()
     assert s.evictable_blocks == 3 and s.free_blocks == 3
-    idx.cache.allocate(5)  # needs two of the chunk's blocks back
+    idx.blocks.cache.allocate(5)  # needs two of the chunk's blocks back
     assert idx.lookup(list(range(10, 22))) is None or not idx.contains(list(range(10, 22)))
-    assert idx.cache.stats().evicted_blocks >= 2
+    assert idx.blocks.cache.stats().evicted_blocks >= 2
 
 
 def test_alone_and_in_context_forms_are_filed_apart_and_the_alone_one_wins_a_tie():
@@ -95,7 +95,7 @@ def test_alone_and_in_context_forms_are_filed_apart_and_the_alone_one_wins_a_tie
     hit = idx.lookup(chunk)
     assert hit.block_ids == alone_blocks and hit.alone
     assert idx.lookup(chunk, alone=False).block_ids == ctx_blocks
-    idx.cache.check_invariants()
+    idx.blocks.cache.check_invariants()
 
 
 def test_the_longer_match_wins_whatever_its_form():

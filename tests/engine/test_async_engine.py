@@ -89,20 +89,20 @@ def test_the_waiting_queue_is_bounded_at_admission(tiny_llama_path):
 
     async def run():
         await engine.start()
-        engine.admit(1)
+        engine.check_queue_room(1)
         running = engine.generate("running", list(range(3, 20)), LONG)
         await _first_output(running)  # scheduled: it no longer waits
-        engine.admit(2)
+        engine.check_queue_room(2)
         waiting = [engine.generate(f"waiting-{i}", list(range(5, 20)), LONG) for i in range(2)]
         assert engine.num_waiting == 2
         with pytest.raises(QueueFull) as refused:
-            engine.admit(1)
+            engine.check_queue_room(1)
         assert (refused.value.waiting, refused.value.limit) == (2, 2)
         assert engine.num_requests == 3  # the refused one was never submitted
         for stream in [running, *waiting]:
             await stream.aclose()
         await _wait_for(lambda: engine.num_waiting == 0 and engine.snapshot()["running"] == 0)
-        engine.admit(5)  # bigger than the queue, but the queue is empty
+        engine.check_queue_room(5)  # bigger than the queue, but the queue is empty
         await engine.shutdown()
 
     asyncio.run(run())
@@ -167,7 +167,7 @@ def test_a_failed_step_makes_the_engine_dead_not_hung(tiny_llama_path):
                 await asyncio.wait_for(_drain(s), 10)
         assert FAULT in engine.unavailable_reason()
         with pytest.raises(EngineDeadError):
-            engine.admit(1)
+            engine.check_queue_room(1)
         with pytest.raises(EngineDeadError):
             engine.generate("late", [3, 4, 5], SamplingParams(max_tokens=2))
         await engine.shutdown()

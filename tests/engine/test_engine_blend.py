@@ -122,7 +122,7 @@ def test_reused_keys_are_rotated_to_their_new_positions(checkpoint, kv_dtype, to
     engine.add_request("x", seq_ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["x"]
     assert engine.blocks.admit(seq, len(ids)).cached_tokens == 0
-    assert engine.blender.admit(seq)  # the chunks are found and copied in
+    assert engine.blender.open_job(seq)  # the chunks are found and copied in
     reused = seq.blend.reused
     assert reused.nonzero().flatten().tolist() == [p for start, n in spans for p in range(start, start + n)]
     for start, n in spans:

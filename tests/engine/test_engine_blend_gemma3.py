@@ -68,7 +68,7 @@ def test_a_moved_chunk_has_the_keys_computed_where_it_now_sits_in_every_layer(ch
     engine.add_request("x", ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["x"]
     engine.blocks.admit(seq, len(ids))
-    assert engine.blender.admit(seq) and bool(seq.blend.reused.any())  # the chunk was found and moved in
+    assert engine.blender.open_job(seq) and bool(seq.blend.reused.any())  # the chunk was found and moved in
     slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(start, start + len(chunk))])
     moved = engine.pool.read_keys(slots)
     want = reference_keys(checkpoint, chunk, start)
@@ -91,7 +91,7 @@ def test_the_key_shift_is_added_with_each_layers_own_rotation(checkpoint):
         engine.add_request("p", ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
         seq = engine.seqs["p"]
         engine.blocks.admit(seq, len(ids))
-        assert engine.blender.admit(seq)
+        assert engine.blender.open_job(seq)
         s, n = spans[1]
         keys[name] = engine.pool.read_keys(torch.tensor([seq.block_table[p // BS] * BS + p % BS
                                                          for p in range(s, s + n)]))

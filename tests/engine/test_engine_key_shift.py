@@ -59,7 +59,7 @@ def copied_keys(engine: LLMEngine, ids, spans) -> list[torch.Tensor]:
     engine.add_request("probe", ids, SamplingParams(max_tokens=1), CacheOptions(chunk_spans=spans, blend=True))
     seq = engine.seqs["probe"]
     engine.blocks.admit(seq, len(ids))
-    assert engine.blender.admit(seq) and engine.blender.blending(seq)  # chunks found and copied in
+    assert engine.blender.open_job(seq) and engine.blender.blending(seq)  # chunks found and copied in
     slots = torch.tensor([seq.block_table[p // BS] * BS + p % BS for p in range(len(ids))])
     keys = engine.pool.read_keys(slots)
     engine.abort("probe")

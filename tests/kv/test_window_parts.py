@@ -32,7 +32,7 @@ class Rig:
         self.listeners = Listeners()
         self.cache = RadixCache(num_blocks, BS, identity=b"unit", listener=self.listeners)
         self.blocks = BlockManager(self.cache, BS, True, self.pool.copy_blocks, self.pool.clear_blocks,
-                                   window=self.pool.parts)
+                                   window=self.pool.window_policy())
         self.listeners.listeners.append(self.blocks)
         self.ids = 0
 
@@ -181,3 +181,30 @@ def test_a_pinned_prefix_keeps_the_window_parts_a_hit_needs_until_its_pin_ends()
     assert rig.blocks.expire_pins(now=300.0) == 1
     rig.check([])
     assert rig.pool.parts.stats()["window_blocks_pinned"] == 0 and rig.cache.stats().in_use_blocks == 0
+
+
+def test_each_pool_reports_its_own_memory_figures():
+    """LLMEngine.memory asks the pool: a one-group pool counts every layer of every used block; a hybrid pool
+    every used block's full-attention layers and its window layers only for the parts held (pinned or cached),
+    with the parts' counts beside. Sizes from first principles: one layer's K and V of a block of BS tokens, one
+    head of 2 fp32 values, is 2 * BS * 2 * 4 bytes."""
+    from reuse_server.kv.pool import KVPool
+
+    layer_block = 2 * BS * 2 * 4
+    one = KVPool(2, 10, BS, num_kv_heads=1, head_dim=2).memory(used_blocks=3)
+    assert (one.kv_dtype, one.bytes_per_block, one.pool_bytes, one.held_bytes, one.window) == (
+        "float32", 2 * layer_block, 10 * 2 * layer_block, 3 * 2 * layer_block, {})
+    rig = Rig(num_blocks=64, num_window_blocks=8)
+    seq = rig.seq([(7 * i) % 29 + 1 for i in range(40)])  # 10 blocks, more than the window pool's 7 parts
+    assert rig.blocks.admit(seq, 4) is not None
+    while seq.num_computed < seq.num_tokens:
+        assert rig.compute(seq, 4)
+    used = rig.cache.stats().total_blocks - rig.cache.stats().free_blocks
+    memory = rig.pool.memory(used)
+    parts = rig.pool.parts.stats()
+    assert 0 < parts["window_blocks_pinned"] + parts["window_blocks_cached"] < used == 10
+    assert (memory.bytes_per_block, memory.pool_bytes) == (2 * layer_block, 64 * layer_block + 8 * layer_block)
+    assert memory.held_bytes == used * layer_block + (parts["window_blocks_pinned"] + parts["window_blocks_cached"]) \
+        * layer_block
+    assert memory.window == parts
+    rig.blocks.release(seq)

@@ -86,6 +86,37 @@ def test_enough_capacity_equals_unlimited_and_less_evicts(tmp_path):
     assert tight.cached_blocks <= 8
 
 
+@pytest.mark.parametrize("seed", [5, 6])
+def test_the_replay_hits_what_the_engines_block_manager_hits_on_the_same_prompts(tmp_path, seed):
+    """The replay files blocks through the code the engine's block manager files them through (radix's
+    publish): the same prompts, admitted, computed and released one at a time by a real BlockManager, hit the
+    same tokens. Prompts end inside a cache block, where the engine (which always computes a prompt's last
+    token) and the replay (which matches every full block) agree on what is matchable."""
+    from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+    from reuse_server.engine.sequence import Sequence
+    from reuse_server.kv.block_manager import BlockManager
+    from radix import RadixCache
+    from loadgen.simulate import synthetic_prompt
+
+    print(f"seed {seed}")
+    bs = 16
+    records = make_trace(seed=seed)
+    for r in records:
+        r["input_length"] -= r["input_length"] % bs == 0  # off a block boundary; as many trace blocks
+    requests = load_trace(write_trace(tmp_path / "trace.jsonl", records))
+    replayed = replay(requests, block_size=bs)
+    blocks = BlockManager(RadixCache(sum(-(-r.input_length // bs) for r in requests), bs), bs)
+    hits = 0
+    for i, r in enumerate(requests):
+        seq = Sequence(f"r{i}", synthetic_prompt(r.hash_ids, r.input_length).tolist(), SamplingParams(max_tokens=1),
+                       CacheOptions())
+        hits += blocks.admit(seq, seq.num_tokens).cached_tokens
+        blocks.advance(seq, seq.num_tokens - seq.num_computed)
+        blocks.release(seq)
+    assert replayed.hit_tokens > 0 and hits == replayed.hit_tokens
+    assert blocks.cache.stats().cached_blocks == replayed.cached_blocks
+
+
 def test_lru_thrashes_on_a_cycle_one_block_larger_than_the_cache(tmp_path, capsys):
     # k one-block prompts (plus a partial block) requested round robin: LRU always evicts the next one.
     k, rounds = 6, 4

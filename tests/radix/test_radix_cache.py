@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from radix import OutOfBlocks, RadixCache, RadixError
+from radix import OutOfBlocks, RadixCache, RadixError, file_blocks, publish
 
 BS = 4
 
@@ -28,14 +28,13 @@ class Removals:
 
 
 def cache_prompt(cache, tokens, namespace=b""):
-    """What an engine does for one request: match, lock, allocate the rest, insert, keep it locked."""
+    """What an engine does for one request: match, lock, allocate the rest, publish (insert, move the lock to
+    the chain's end), keep it locked."""
     m = cache.match(tokens, namespace)
     cache.lock(m.node)
     new = cache.allocate(len(tokens) // cache.block_size - len(m.block_ids))
-    r = cache.insert(tokens, m.block_ids + new, namespace)
+    r = publish(cache, tokens, m.block_ids + new, namespace, m.node)
     assert r.duplicate_block_ids == [] and r.inserted_block_ids == new
-    cache.lock(r.node)
-    cache.unlock(m.node)
     return r.node, m.block_ids + new
 
 
@@ -80,6 +79,50 @@ def test_insert_reports_duplicates_and_skips_the_trees_own_blocks():
     r3 = cache.insert(blocks(1, 2, 3, 4, 5), m.block_ids + tail)
     assert r3.duplicate_block_ids == [] and r3.inserted_block_ids == tail
     assert cache.match(blocks(1, 2, 3, 4, 5)).block_ids == first + tail
+    cache.check_invariants()
+
+
+def test_publishing_a_chain_filed_meanwhile_frees_the_duplicates_and_moves_the_hold_to_the_trees_copy():
+    """radix.publish, as the engine's block manager and the offline replay call it: two requests computed the
+    same prompt past a shared prefix; the second one's blocks go back, and each request then holds (locks)
+    exactly its chain's end in the tree, its old hold let go."""
+    cache = RadixCache(16, block_size=BS)
+    prefix_node, prefix = cache_prompt(cache, blocks(1))
+    held = []
+    for _ in range(2):
+        m = cache.match(blocks(1, 2, 3))
+        cache.lock(m.node)
+        held.append((m, cache.allocate(2)))
+    cache.unlock(prefix_node)  # only the two requests hold the prefix now
+    seen = []
+    first = publish(cache, blocks(1, 2, 3), held[0][0].block_ids + held[0][1], b"", held[0][0].node)
+    second = publish(cache, blocks(1, 2, 3), held[1][0].block_ids + held[1][1], b"", held[1][0].node,
+                     before_freeing=lambda result: seen.append(list(result.duplicate_block_ids)))
+    assert first.inserted_block_ids == held[0][1] and second.duplicate_block_ids == held[1][1] == seen[0]
+    assert second.node is first.node and first.node.lock_ref == 2
+    s = cache.stats()
+    assert (s.cached_blocks, s.in_use_blocks, s.free_blocks) == (3, 3, 13)  # the duplicates are free again
+    cache.unlock(first.node)
+    cache.unlock(second.node)
+    assert cache.stats().evictable_blocks == 3
+    with pytest.raises(RadixError, match="not locked"):
+        cache.unlock(prefix_node)  # every hold on the prefix moved down the chain and was let go there
+    # file_blocks alone (blocks no request computed, as a tier's or a chunk's): no hold is taken
+    stored = file_blocks(cache, blocks(7, 8), cache.allocate(2))
+    assert stored.node.lock_ref == 0 and cache.stats().in_use_blocks == 0
+    cache.check_invariants()
+
+
+def test_chain_starts_are_the_offsets_where_a_chain_of_the_namespaces_asked_begins():
+    cache = RadixCache(32, block_size=BS)
+    file_blocks(cache, blocks(5, 6), cache.allocate(2), b"chunk")
+    file_blocks(cache, blocks(7), cache.allocate(1), b"other-chunk")
+    file_blocks(cache, blocks(8), cache.allocate(1), b"prompt")
+    prompt = [1, 2] + blocks(5, 6) + [3] + blocks(7) + blocks(8) + [9]
+    assert cache.chain_starts(prompt, [b"chunk"]) == [2]  # a chain's second block starts no chain
+    assert cache.chain_starts(prompt, [b"chunk", b"other-chunk"]) == [2, 11]
+    assert cache.chain_starts(prompt, [b"elsewhere"]) == []
+    assert cache.chain_starts(prompt[:5], [b"chunk"]) == []  # no whole block of tokens at the chunk's start
     cache.check_invariants()
 
 
