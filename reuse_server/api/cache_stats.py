@@ -6,6 +6,17 @@ how the pool and host tier were sized at start (`sizing`: the figures read and t
 from __future__ import annotations
 
 import json
+import math
+
+
+def blend_section(engine, snap: dict) -> dict:
+    """Non-prefix reuse since the start: tokens blended and recomputed, chunks filed, and what the fidelity
+    check rejected (chunks, and their tokens recomputed) under which threshold (null: the check is off)."""
+    limit = engine.config.blend_max_deviation
+    return {"blended_tokens": snap["blended_tokens"], "recomputed_tokens": snap["recomputed_tokens"],
+            "registered_chunks": snap["blend_registered_chunks"], "rejected_chunks": snap["blend_rejected_chunks"],
+            "rejected_tokens": snap["blend_rejected_tokens"],
+            "max_deviation": limit if math.isfinite(limit) else None}
 
 
 def cache_stats(engine) -> str:
@@ -18,5 +29,6 @@ def cache_stats(engine) -> str:
         "pins": snap["pins"],
         "tiers": snap["tiers"],
         "requests": {"running": snap["running"], "waiting": snap["waiting"]},
+        "blend": blend_section(engine, snap),
         "sizing": engine.sizing.as_dict(),
     })

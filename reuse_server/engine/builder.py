@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from blend.chunk_index import ChunkIndex
 from blend.content_cuts import ContentDefinedCuts, WholeSpans
+from blend.fidelity import FidelityCheck
 from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
@@ -139,7 +140,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
     settings = BlendSettings(
         recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens)
+        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens,
+        fidelity=FidelityCheck(config.blend_max_deviation))
     if config.blend_key_shift and path is None:
         raise ValueError("the key shift is calibrated per model folder: a model built in the process needs "
                          "blend_key_shift=False")

@@ -294,7 +294,16 @@ class LLMEngine:
             tiers=self.tiers.snapshot() if self.tiers is not None else {},
             memory=self.memory(stats),
             **self.counters,
+            **self.blend_counters(),
         )
+
+    def blend_counters(self) -> dict:
+        """What blending's chunk index and fidelity check did since the start (the blend section of
+        /v1/cache/stats; the Prometheus counters of the same names)."""
+        blender = self.blender
+        return dict(blend_registered_chunks=blender.registered_chunks if blender else 0,
+                    blend_rejected_chunks=blender.rejected_chunks if blender else 0,
+                    blend_rejected_tokens=blender.rejected_tokens if blender else 0)
 
     def memory(self, stats) -> dict:
         """What the pool's memory holds now: cached blocks and their tokens, the blocks running requests
