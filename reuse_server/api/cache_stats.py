@@ -12,7 +12,7 @@ import math
 def blend_section(engine, snap: dict) -> dict:
     """Non-prefix reuse since the start: tokens blended and recomputed, chunks filed, and what the fidelity
     check rejected (chunks, and their tokens recomputed) under which threshold (null: the check is off)."""
-    limit = engine.config.blend_max_deviation
+    limit = engine.blender.settings.fidelity.max_deviation  # as calibrated, where --blend-max-deviation is auto
     return {"blended_tokens": snap["blended_tokens"], "recomputed_tokens": snap["recomputed_tokens"],
             "registered_chunks": snap["blend_registered_chunks"], "rejected_chunks": snap["blend_rejected_chunks"],
             "rejected_tokens": snap["blend_rejected_tokens"],

@@ -2,7 +2,6 @@
 is loaded. Torch-free, so that the CLI's tools that need no model (kv-calc) start fast."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from reuse_server.kv import layout as kv_layout  # torch-free
@@ -111,8 +110,9 @@ class EngineConfig:
     blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
     # the fidelity check (blend/fidelity.py): a reused chunk whose K or V deviates from this prompt's by more
-    # than this (relative L2 at the first check layer) is recomputed whole; inf: off, 0: reject every chunk
-    blend_max_deviation: float = math.inf
+    # than this (relative L2 at the first check layer) is recomputed whole; inf: off, 0: reject every chunk;
+    # None: calibrated once per model (engine/fidelity_calibration.py)
+    blend_max_deviation: float | None = None
     # Client spans are cut into chunks of about this many tokens where their content says (a rolling hash;
     # blend/content_cuts.py), so text glued into one message is reused in pieces; 0: only the client's spans.
     blend_chunk_tokens: int = 64
@@ -179,7 +179,8 @@ class EngineConfig:
         from blend.fidelity import FidelityCheck  # torch-free, like blend.strategies
 
         try:
-            FidelityCheck(self.blend_max_deviation)
+            if self.blend_max_deviation is not None:
+                FidelityCheck(self.blend_max_deviation)
         except ValueError as exc:
             problems.append(f"blend_{exc}")
         if not 0.0 <= self.blend_recompute_ratio <= 1.0:

@@ -110,8 +110,10 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def deviation_limit(text: str) -> float:
-    """A number >= 0, or inf (no limit)."""
+def deviation_limit(text: str) -> float | None:
+    """A number >= 0, inf (no limit), or auto (None: calibrated for the model)."""
+    if text.strip().lower() == "auto":
+        return None
     value = _number(text)
     if math.isnan(value) or value < 0.0:
         raise argparse.ArgumentTypeError(f"{text} must be a number >= 0 or inf")
@@ -366,8 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the fidelity check: a reused chunk whose K or V at the first check layer deviates "
                             "from what this prompt computes by more than D (relative L2 over the chunk's tokens) "
                             "is rejected and recomputed whole, on top of the recompute ratio; every selection goes "
-                            "through it (epic and a3 then compute every reused token up to that layer). inf: off; "
-                            "0: reject every chunk (default: %(default)s, measured: BENCHMARKS.md)")
+                            "through it (epic and a3 then compute every reused token up to that layer). auto (the "
+                            "default): twice the largest deviation real reordered passages show on this model, "
+                            "calibrated once per model and kept beside the key shift; inf: off; 0: reject every "
+                            "chunk")
     blend.add_argument("--blend-chunk-tokens", type=non_negative_int, metavar="N", default=defaults.blend_chunk_tokens,
                        help="cut messages and parts into chunks of about N tokens where their content says (a "
                             "rolling hash over token windows: the same text cuts the same way wherever it stands), "

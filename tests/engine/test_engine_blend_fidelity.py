@@ -10,11 +10,18 @@ import random
 import pytest
 import torch
 
+from blend.chunking import encode, render_chat_chunks
 from reuse_server.api.cache_stats import cache_stats
-from reuse_server.engine.sampling_params import CacheOptions
+from reuse_server.api.chat_template import user_turn_opening
+from reuse_server.engine.builder import build_engine
+from reuse_server.engine.config import EngineConfig
+from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
+from reuse_server.engine.fidelity_calibration import MARGIN, load_or_calibrate_threshold
+from reuse_server.model.loader import load_model, load_tokenizer, resolve_model
 from reuse_server.server.metrics import COUNTERS
 from test_engine_blend import close, drain
 from test_engine_glued import checkpoint, glued, make_engine, run, words  # noqa: F401 (fixture)
+from test_engine_key_shift import HELD_OUT, QUESTION
 
 BS = 4
 
@@ -52,9 +59,10 @@ def blend_counters(engine) -> tuple[int, int]:
 
 @pytest.mark.parametrize("selection", ["cacheblend", "epic", "a3"])
 def test_a_chunk_whose_kv_is_noise_is_rejected_and_the_answer_is_a_full_prefills(checkpoint, rng, selection):
-    """Ratio 0 reuses every token found; with the chunk's KV turned to noise the check rejects it, so every
-    token is computed and the answer (tokens and log-probs) is the full prefill's."""
-    engine = make_engine(checkpoint, blend_selection=selection, blend_max_deviation=1.0)
+    """Ratio 0 reuses every token found; with the chunk's KV turned to noise the check, at the threshold
+    calibrated for this checkpoint (auto), rejects it, so every token is computed and the answer (tokens and
+    log-probs) is the full prefill's."""
+    engine = make_engine(checkpoint, blend_selection=selection, blend_max_deviation=None)
     full = make_engine(checkpoint, enable_blend=False)
     chunk = words(rng, engine.vocab_size, 40)
     file_chunk(engine, "doc", chunk)
@@ -117,3 +125,62 @@ def test_the_stats_report_the_rejections(checkpoint, rng):
     blend = json.loads(cache_stats(engine))["blend"]
     assert blend["rejected_chunks"] == 1 and blend["rejected_tokens"] == len(chunk)
     assert blend["max_deviation"] == 1.0 and blend["blended_tokens"] == 0
+
+
+# --- the bundled SmolLM2, at its calibrated threshold ---------------------------------------------------------
+
+def chat(tok, texts: list[str]):
+    """A user message of text parts, as a RAG client sends passages: (ids, spans of the parts)."""
+    chunks = render_chat_chunks(tok, [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}])
+    ids, spans = [], []
+    for c in chunks:
+        if c.reusable:
+            spans.append((len(ids), len(c.tokens)))
+        ids += c.tokens
+    return ids, spans
+
+
+def test_on_smollm2_reordered_passages_blend_and_a_passage_filed_after_another_prefix_is_rejected():
+    """Real passages filed alone and served in a new order deviate little and keep blending; a passage whose
+    KV was computed after a run of one repeated word (filed in that context) deviates far more where it now
+    follows a real passage, and is rejected. The threshold is the one calibrated for the model (auto)."""
+    engine = build_engine(EngineConfig(model=str(resolve_model(None)), kv_cache_memory=256 << 20,
+                                       max_num_batched_tokens=2048, blend_min_tokens=16))
+    threshold = engine.blender.settings.fidelity.max_deviation
+    print(f"calibrated threshold {threshold}")
+    assert 0 < threshold < math.inf
+    tok = engine.tokenizer
+    opening = user_turn_opening(tok)
+    for i, text in enumerate(HELD_OUT[:3]):  # filed alone after the opening, as POST /v1/cache/chunks does
+        t = list(encode(tok, text))
+        engine.precompute(f"pre{i}", opening + t, CacheOptions(chunk_spans=[(len(opening), len(t))]))
+    drain(engine)
+    ids, spans = chat(tok, [" ".join(["zero"] * 120), HELD_OUT[3]])
+    engine.add_request("context", ids, SamplingParams(max_tokens=1),
+                       CacheOptions(chunk_spans=spans, blend=True, prefix_cache=False))
+    drain(engine)
+    assert blend_counters(engine) == (0, 0)
+    ids, spans = chat(tok, [HELD_OUT[i] for i in (2, 0, 3, 1)] + [QUESTION])
+    engine.add_request("reordered", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                       CacheOptions(chunk_spans=spans, blend=True, prefix_cache=False))
+    out = drain(engine)["reordered"][2]
+    filed_alone = sum(len(encode(tok, HELD_OUT[i])) for i in range(3))
+    after_zeros = len(encode(tok, HELD_OUT[3]))
+    assert blend_counters(engine) == (1, after_zeros)
+    assert out.blended_tokens + out.recomputed_tokens == filed_alone + after_zeros
+    assert out.blended_tokens >= 0.8 * filed_alone, (out.blended_tokens, filed_alone)
+
+
+def test_the_threshold_is_calibrated_once_per_model_and_reloaded(tmp_path, checkpoint):
+    model, _ = load_model(checkpoint)
+    tok = load_tokenizer(checkpoint)
+    first = load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 1, None, cache_dir=tmp_path)
+    [kept] = list(tmp_path.glob("*-fidelity-*.json"))
+    devs = json.loads(kept.read_text())["deviations"]
+    assert first == MARGIN * max(devs) and all(0 < d < math.inf for d in devs)
+    stamp = kept.stat().st_mtime_ns
+    assert load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 1, None, cache_dir=tmp_path) == first
+    assert kept.stat().st_mtime_ns == stamp
+    # another check layer is another calibration
+    load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 2, None, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*-fidelity-*.json"))) == 2
