@@ -13,7 +13,10 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   the rest keep their reused KV from there on. That is CacheBlend; the selection strategy (blend/strategies.py)
   may instead choose before the forward (EPIC: each chunk's first tokens; A³: what the question attends to),
   and then only the chosen reused tokens are computed, at every layer. A strategy that reads the question
-  runs a probe pass of it over the reused KV first (QuestionProbe);
+  runs a probe pass of it over the reused KV first (QuestionProbe). Whatever the strategy, the fidelity check
+  (blend/fidelity.py, --blend-max-deviation) measures each reused chunk's deviation at the first check layer
+  (every reused token is computed up to it while the check is on) and recomputes a chunk past the threshold
+  whole, on top of the strategy's budget;
 - finish: the job's counts go to the request's usage, and the prompt's chunks (its spans cut by their content,
   blend/content_cuts.py) that the index lacks and that hold no blended KV are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
   namespace of the radix cache.
