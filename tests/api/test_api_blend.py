@@ -284,3 +284,13 @@ def test_rejected_requests_hold_no_kv_block_and_did_no_work(server, metrics_befo
                  "kvreuse_e2e_request_latency_seconds_count"):
         assert metric(after, name) == metric(metrics_before_errors, name), name
     assert scrape(server)  # still serving
+
+
+def test_cache_stats_and_metrics_report_blending_and_its_fidelity_check(server):
+    """The blend section of /v1/cache/stats and the Prometheus counters beside the blend ones; this server runs
+    with the check off (null threshold), so nothing is rejected."""
+    stats = httpx.get(server + "/v1/cache/stats", timeout=30).json()["blend"]
+    assert stats["max_deviation"] is None and stats["rejected_chunks"] == stats["rejected_tokens"] == 0
+    m = scrape(server)
+    assert metric(m, "kvreuse_blend_rejected_chunks_total") == metric(m, "kvreuse_blend_rejected_tokens_total") == 0
+    assert stats["blended_tokens"] == metric(m, "kvreuse_blended_tokens_total")
