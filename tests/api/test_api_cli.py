@@ -91,7 +91,8 @@ def test_blend_flags_reach_engine_config():
 @pytest.mark.parametrize("text, limit", [("auto", None), ("AUTO", None), ("0.25", 0.25), ("0", 0.0),
                                          ("inf", float("inf"))])
 def test_blend_max_deviation_reaches_engine_config(text, limit):
-    assert engine_config(build_parser().parse_args(["serve", "--blend-max-deviation", text])).blend_max_deviation == limit
+    args = build_parser().parse_args(["serve", "--blend-max-deviation", text])
+    assert engine_config(args).blend_max_deviation == limit
     assert engine_config(build_parser().parse_args(["serve"])).blend_max_deviation is None  # auto by default
 
 

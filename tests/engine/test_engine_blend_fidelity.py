@@ -179,7 +179,8 @@ def test_the_threshold_is_calibrated_once_per_model_and_reloaded(tmp_path, check
     devs = json.loads(kept.read_text())["deviations"]
     assert first == MARGIN * max(devs) and all(0 < d < math.inf for d in devs)
     stamp = kept.stat().st_mtime_ns
-    assert load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 1, None, cache_dir=tmp_path) == first
+    again = load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 1, None, cache_dir=tmp_path)
+    assert again == first
     assert kept.stat().st_mtime_ns == stamp
     # another check layer is another calibration
     load_or_calibrate_threshold(model, tok, checkpoint, torch.float32, "cpu", 2, None, cache_dir=tmp_path)
