@@ -2,10 +2,22 @@
 in them (a block is allocated whole; the empty slots of partly filled last blocks are waste), cached vs in
 use, each tier below the pool, and the prompt-cache pins (cache_control breakpoints): blocks and tokens pinned,
 per tenant (its digest; "default" without API keys) with its pins' soonest and latest expiry in seconds, and
-how the pool and host tier were sized at start (`sizing`: the figures read and the rule applied, kv/sizing.py)."""
+how the pool and host tier were sized at start (`sizing`: the figures read and the rule applied, kv/sizing.py),
+and what blending reused, filed and its fidelity check rejected (`blend`)."""
 from __future__ import annotations
 
 import json
+import math
+
+
+def blend_section(snap: dict) -> dict:
+    """Non-prefix reuse since the start: tokens blended and recomputed, chunks filed, and what the fidelity
+    check rejected (chunks, and their tokens recomputed) under which threshold (null: the check is off)."""
+    limit = snap["blend_max_deviation"]  # as calibrated, where --blend-max-deviation is auto
+    return {"blended_tokens": snap["blended_tokens"], "recomputed_tokens": snap["recomputed_tokens"],
+            "registered_chunks": snap["blend_registered_chunks"], "rejected_chunks": snap["blend_rejected_chunks"],
+            "rejected_tokens": snap["blend_rejected_tokens"],
+            "max_deviation": limit if math.isfinite(limit) else None}
 
 from reuse_server.engine.client import EngineClient
 
@@ -20,5 +32,6 @@ def cache_stats(engine: EngineClient) -> str:
         "pins": snap["pins"],
         "tiers": snap["tiers"],
         "requests": {"running": snap["running"], "waiting": snap["waiting"]},
+        "blend": blend_section(snap),
         "sizing": engine.sizing.as_dict(),
     })

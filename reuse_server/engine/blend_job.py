@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from blend.fidelity import ChunkDeviation
 from blend.strategies import Selection
 
 
@@ -23,3 +24,14 @@ class BlendJob:
     blended: int = 0  # reused tokens selection left alone
     recomputed: int = 0  # reused tokens selection recomputed
     recomputed_positions: list[int] = field(default_factory=list)  # ... and where they are in the prompt
+    # the fidelity check (blend/fidelity.py): which reused chunk each prompt token came from (-1: none), the
+    # chunks' (start, tokens reused) in the prompt, their deviation sums, and which were rejected
+    chunk_of: torch.Tensor | None = None
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    deviation: ChunkDeviation | None = None
+    rejected: torch.Tensor | None = None
+    rejected_tokens: int = 0  # reused tokens recomputed because their chunk was rejected
+
+    @property
+    def rejected_chunks(self) -> int:
+        return 0 if self.rejected is None else int(self.rejected.sum())

@@ -13,7 +13,10 @@ only the tokens whose reused KV deviates most. The Blender owns a blended prefil
   the rest keep their reused KV from there on. That is CacheBlend; the selection strategy (blend/strategies.py)
   may instead choose before the forward (EPIC: each chunk's first tokens; A³: what the question attends to),
   and then only the chosen reused tokens are computed, at every layer. A strategy that reads the question
-  runs a probe pass of it over the reused KV first (QuestionProbe);
+  runs a probe pass of it over the reused KV first (QuestionProbe). Whatever the strategy, the fidelity check
+  (blend/fidelity.py, --blend-max-deviation) measures each reused chunk's deviation at the first check layer
+  (every reused token is computed up to it while the check is on) and recomputes a chunk past the threshold
+  whole, on top of the strategy's budget;
 - finish: the job's counts go to the request's usage, and the prompt's chunks (its spans cut by their content,
   blend/content_cuts.py) that the index lacks and that hold no blended KV are registered: their KV is copied to fresh blocks at positions 0..n-1 and filed in the chunk
   namespace of the radix cache.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from blend.chunk_index import ChunkHit, ChunkIndex
 from blend.content_cuts import SpanCuts, WholeSpans
+from blend.fidelity import ChunkDeviation, FidelityCheck
 from blend.key_shift import KeyShift, moved_keys
 from blend.selection import (GradualSchedule, combine_scores, count_for_ratio, kv_deviation, query_attention,
                              select_top_k)
@@ -59,6 +63,8 @@ class BlendSettings:
     # tune Deviation only
     selection: Selection = field(default_factory=Deviation)
     min_chunk_tokens: int = 32
+    # which reused chunks are rejected (recomputed whole) at the first check layer, whatever the selection
+    fidelity: FidelityCheck = field(default_factory=FidelityCheck)
 
     def schedule(self, ratio: float) -> GradualSchedule:
         ratios = [min(1.0, ratio * f) for f in self.gradual_factors]
@@ -90,6 +96,8 @@ class Blender:
         self.block_size = pool.block_size
         settings.schedule(settings.recompute_ratio).validate_for(num_layers)
         self.registered_chunks = 0
+        self.rejected_chunks = 0  # chunks the fidelity check rejected, and their tokens it recomputed
+        self.rejected_tokens = 0
 
     def _client_spans(self, seq: Sequence) -> list[tuple[int, int]]:
         """The spans the client marked (messages, text parts, ...) long enough to be chunks."""
@@ -121,7 +129,8 @@ class Blender:
         s = self.settings
         return approximate_namespace(seq.namespace, f"r={self.ratio_for(seq):.6g};score={s.score};"
                                      f"check={s.check_layers};factors={s.gradual_factors};"
-                                     f"select={self.selection_for(seq).key()};shift={self.key_shift is not None}")
+                                     f"select={self.selection_for(seq).key()};shift={self.key_shift is not None};"
+                                     f"fidelity={s.fidelity.max_deviation:g}")
 
     def fits(self, seq: Sequence) -> bool:
         """Whether seq's prompt can ever be blended here. Blending copies reused KV into blocks for the whole
@@ -152,8 +161,14 @@ class Blender:
         for r in reuses:
             reused[r.start + r.skip:r.start + r.hit.num_tokens] = True
         reused[:seq.num_computed] = False  # served by the exact prefix: not computed at all
+        chunk_of = torch.full((n,), -1, dtype=torch.long)
+        for i, r in enumerate(reuses):
+            chunk_of[r.start + r.skip:r.start + r.hit.num_tokens] = i
+        chunk_of[~reused] = -1
         ratio, selection = self.ratio_for(seq), self.selection_for(seq)
-        job = BlendJob(reused, ratio, selection)
+        job = BlendJob(reused, ratio, selection, chunk_of=chunk_of,
+                       chunks=[(r.start + r.skip, r.hit.num_tokens - r.skip) for r in reuses],
+                       deviation=ChunkDeviation(len(reuses)), rejected=torch.zeros(len(reuses), dtype=torch.bool))
         if isinstance(selection, ChunkStarts):
             job.chosen = selection.mask([r.start + r.skip for r in reuses], [r.hit.num_tokens - r.skip for r in reuses],
                                         count_for_ratio(ratio, int(reused.sum())), total=n) & reused
@@ -255,6 +270,7 @@ class Blender:
         approximate, so from now on it is filed under its approximate namespace."""
         job = seq.blend
         job.recomputed += selection.recomputed
+        job.rejected_tokens += selection.rejected_tokens
         job.blended += selection.num_reused - selection.recomputed
         job.recomputed_positions += selection.recomputed_positions()
         if job.blended:
@@ -265,6 +281,9 @@ class Blender:
         """seq's prompt is computed, or seq leaves (finish, abort, preemption): close its job (the scheduler
         calls this, from one place: Scheduler._close_blend)."""
         job, seq.blend = seq.blend, None
+        if job is not None:
+            self.rejected_chunks += job.rejected_chunks
+            self.rejected_tokens += job.rejected_tokens
         return job
 
     def register(self, seq: Sequence, reused: torch.Tensor | None = None) -> tuple[int, int]:
@@ -304,11 +323,17 @@ class SliceSelection:
     """Which of one blended slice's tokens each layer computes (the slice's tokens are prompt positions
     start .. end - 1). Tokens not reused always go on. Under a static selection the chosen reused tokens go
     on too and the others are not computed at all; otherwise reused ones go on until a check layer, where
-    the deviation of their stale from their fresh K/V keeps the top share of them."""
+    the deviation of their stale from their fresh K/V keeps the top share of them.
+
+    With the fidelity check on (blend/fidelity.py), every reused token goes on to the first check layer
+    whatever the selection: there each reused chunk's deviation is measured, and the tokens of a rejected
+    chunk go on through every later layer, on top of what the selection keeps (a static selection's choice
+    is then applied at that layer instead of before the forward)."""
 
     def __init__(self, pool: KVPool, settings: BlendSettings, job: BlendJob, start: int, end: int, final: bool):
         self.pool = pool
         self.settings = settings
+        self.job = job
         self.start = start
         self.reused = job.reused[start:end].clone()
         if final:
@@ -317,20 +342,33 @@ class SliceSelection:
         self.schedule = settings.schedule(job.ratio)
         self.query_weight = job.selection.query_weight if isinstance(job.selection, Deviation) else 0.0
         self.probe = None if job.probe is None else job.probe[start:end]
+        self.chunk_of = job.chunk_of[start:end]
+        self.fidelity = settings.fidelity.active and self.num_reused > 0
+        self.rejected_rows = torch.zeros_like(self.reused)  # slice positions of rejected chunks' tokens
+        self.rejected_tokens = 0
         self.chosen_rows: torch.Tensor | None = None  # slice positions of the reused tokens recomputed
-        if job.chosen is not None:  # chosen before the forward: the rest skip every layer
-            computed = ~self.reused | (job.chosen[start:end] & self.reused)
-            self.static = True
-        else:  # chosen at the check layers; with nothing to choose, the reused tokens skip every layer
-            computed = ~self.reused if self.num_reused and self.schedule.ratios[0] == 0.0 else None
-            self.static = computed is not None
+        # the reused tokens chosen before the forward (a static selection; none when there is nothing to
+        # choose), or None: chosen at the check layers by their deviation
+        if job.chosen is not None:
+            self.preset = job.chosen[start:end] & self.reused
+        elif self.num_reused and self.schedule.ratios[0] == 0.0:
+            self.preset = torch.zeros_like(self.reused)
+        else:
+            self.preset = None
+        # without the check, preset tokens are all a static slice computes: the other reused ones skip every layer
+        self.static = self.preset is not None and not self.fidelity
+        computed = ~self.reused | self.preset if self.static else None
         self.input_rows = None if computed is None else computed.nonzero(as_tuple=True)[0]
         if self.static:
-            self.chosen_rows = (computed & self.reused).nonzero(as_tuple=True)[0]
+            self.chosen_rows = self.preset.nonzero(as_tuple=True)[0]
         self.recomputed = len(self.chosen_rows) if self.static else self.num_reused
 
     def checks(self, layer: int) -> bool:
-        return not self.static and self.num_reused > 0 and self.schedule.is_check_layer(layer)
+        if self.static or not self.num_reused:
+            return False
+        if self.preset is not None:  # chosen already: only the fidelity check's layer drops rows
+            return layer == self.schedule.check_layers[0]
+        return self.schedule.is_check_layer(layer)
 
     def recomputed_positions(self) -> list[int]:
         """Prompt positions of the reused tokens this slice computed through the last layer."""
@@ -350,16 +388,33 @@ class SliceSelection:
             return None
         cand_dev = cand.to(k.device)
         old_k, old_v = self.pool.read(layer, slots[cand_dev])
-        dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
-        if self.probe is not None and self.query_weight:
-            # the question's attention mass is summed on the host (QuestionProbe); the deviation is the pool's
-            dev = combine_scores(dev, self.probe[local[cand]].to(dev.device), self.query_weight)
-        keep = self.schedule.selection_count(layer, self.num_reused)
-        chosen = cand[select_top_k(dev.cpu(), keep).cpu()]
+        if self.fidelity and layer == self.schedule.check_layers[0]:
+            self._check_chunks(local[cand], old_k, k[cand_dev], old_v, v[cand_dev])
+        always = self.rejected_rows[local[cand]]
+        if self.preset is not None:
+            chosen = cand[self.preset[local[cand]] | always]
+        else:
+            dev = kv_deviation(old_k, k[cand_dev], old_v, v[cand_dev], score=self.settings.score)
+            if self.probe is not None and self.query_weight:
+                # the question's attention mass is summed on the host (QuestionProbe); the deviation is the pool's
+                dev = combine_scores(dev, self.probe[local[cand]].to(dev.device), self.query_weight)
+            keep = self.schedule.selection_count(layer, self.num_reused)
+            # a rejected chunk's tokens come on top of the budget (select_top_k's `always`), not out of it
+            chosen = cand[select_top_k(dev.cpu(), keep, always).cpu()]
         self.chosen_rows = local[chosen]
         rows = torch.cat([(~self.reused[local]).nonzero(as_tuple=True)[0], chosen]).sort().values
         self.recomputed = int(self.reused[local[rows]].sum())
         return rows
+
+    def _check_chunks(self, positions: torch.Tensor, old_k, new_k, old_v, new_v) -> None:
+        """Add these reused tokens' (slice positions) deviation to their chunks' sums, reject the chunks now
+        past the threshold, and mark every token of a rejected chunk in this slice."""
+        job = self.job
+        job.deviation.add(self.chunk_of[positions], old_k, new_k, old_v, new_v)
+        job.rejected |= job.deviation.deviation() > self.settings.fidelity.max_deviation
+        in_slice = self.chunk_of >= 0
+        self.rejected_rows = in_slice & job.rejected[self.chunk_of.clamp_min(0)] & self.reused
+        self.rejected_tokens = int(self.rejected_rows.sum())
 
 
 class QuestionProbe(RowSelection):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from blend.chunk_index import ChunkIndex
 from blend.content_cuts import ContentDefinedCuts, WholeSpans
+from blend.fidelity import FidelityCheck
 from radix import Listeners, RadixCache
 
 from reuse_server.kv.block_manager import BlockManager
@@ -24,6 +26,7 @@ from reuse_server.engine.config import EngineConfig, resolve_attention_backend, 
 from reuse_server.engine.engine import EngineParts, LLMEngine
 from reuse_server.kv.fingerprint import ModelFingerprint, fingerprint
 from reuse_server.kv import quant as kv_quant
+from reuse_server.engine.fidelity_calibration import load_or_calibrate_threshold
 from reuse_server.engine.key_shift_calibration import load_or_calibrate
 from reuse_server.engine.model_names import ModelNames, model_names
 from reuse_server.kv.layered_pool import LayeredKVPool
@@ -43,6 +46,18 @@ if TYPE_CHECKING:  # imported where configured: redis (tiers) and zmq (events) s
     from reuse_server.kv.tiers import KVTiers
 
 log = logging.getLogger(__name__)
+
+
+def fidelity_threshold(config: EngineConfig, model, tokenizer, path: Path | None, dtype, key_shift) -> float:
+    """--blend-max-deviation: the number given, or (auto) the one calibrated for this model and first check
+    layer. A model built in the process has no folder to keep a calibration in: its check is off."""
+    if config.blend_max_deviation is not None:
+        return config.blend_max_deviation
+    if path is None:
+        log.info("no model folder to keep a fidelity calibration in: the blending fidelity check is off")
+        return math.inf
+    return load_or_calibrate_threshold(model, tokenizer, path, dtype, config.device, config.blend_check_layers[0],
+                                       key_shift)
 
 
 def build_engine(config: EngineConfig, loaded: "LoadedModel | None" = None) -> LLMEngine:
@@ -115,14 +130,15 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
                           pool.window_policy(), config.max_pinned_share)
     listeners.listeners.append(blocks)  # last: the tiers copy an evicted block out before its window part goes
     chunk_index = ChunkIndex(blocks, bs, pad_token=mc.vocab_size, min_tokens=config.blend_min_tokens)
-    settings = BlendSettings(
-        recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
-        gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
-        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens)
     if config.blend_key_shift and path is None:
         raise ValueError("the key shift is calibrated per model folder: a model built in the process needs "
                          "blend_key_shift=False")
     key_shift = load_or_calibrate(model, tokenizer, path, dtype, config.device) if config.blend_key_shift else None
+    settings = BlendSettings(
+        recompute_ratio=config.blend_recompute_ratio, check_layers=tuple(config.blend_check_layers),
+        gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
+        selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens,
+        fidelity=FidelityCheck(fidelity_threshold(config, model, tokenizer, path, dtype, key_shift)))
     cuts = (ContentDefinedCuts.around(config.blend_chunk_tokens, config.blend_min_tokens)
             if config.blend_chunk_tokens else WholeSpans())
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,

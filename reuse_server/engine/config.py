@@ -124,6 +124,10 @@ class EngineConfig:
     blend_query_weight: float = 0.0  # cacheblend: weight of the question's attention in the deviation score
     blend_key_shift: bool = True  # add the model's calibrated key shift to chunks reused from their alone form
     blend_min_tokens: int = 32
+    # the fidelity check (blend/fidelity.py): a reused chunk whose K or V deviates from this prompt's by more
+    # than this (relative L2 at the first check layer) is recomputed whole; inf: off, 0: reject every chunk;
+    # None: calibrated once per model (engine/fidelity_calibration.py)
+    blend_max_deviation: float | None = None
     # Client spans are cut into chunks of about this many tokens where their content says (a rolling hash;
     # blend/content_cuts.py), so text glued into one message is reused in pieces; 0: only the client's spans.
     blend_chunk_tokens: int = 64
@@ -191,6 +195,13 @@ class EngineConfig:
             self.blend_strategy()
         except ValueError as exc:
             problems.append(str(exc))
+        from blend.fidelity import FidelityCheck  # torch-free, like blend.strategies
+
+        try:
+            if self.blend_max_deviation is not None:
+                FidelityCheck(self.blend_max_deviation)
+        except ValueError as exc:
+            problems.append(f"blend_{exc}")
         if not 0.0 <= self.blend_recompute_ratio <= 1.0:
             problems.append(f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}")
         if len(self.blend_gradual_factors) != len(self.blend_check_layers):

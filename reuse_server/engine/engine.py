@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -338,7 +339,18 @@ class LLMEngine:
             tiers=self.tiers.snapshot() if self.tiers is not None else {},
             memory=self.memory(stats),
             **self.counters,
+            **self.blend_counters(),
         )
+
+    def blend_counters(self) -> dict:
+        """What blending's chunk index and fidelity check did since the start (the blend section of
+        /v1/cache/stats; the Prometheus counters of the same names)."""
+        blender = self.blender
+        return dict(blend_registered_chunks=blender.registered_chunks if blender else 0,
+                    blend_rejected_chunks=blender.rejected_chunks if blender else 0,
+                    blend_rejected_tokens=blender.rejected_tokens if blender else 0,
+                    # the check's threshold as calibrated (--blend-max-deviation auto) or given; inf: off
+                    blend_max_deviation=blender.settings.fidelity.max_deviation if blender else math.inf)
 
     def memory(self, stats) -> dict:
         """What the pool's memory holds now: cached blocks and their tokens, the blocks running requests

@@ -45,8 +45,8 @@ def calibration_chats(tokenizer, paragraphs=PARAGRAPHS) -> tuple[list[int], list
     return opening, [[passages[i] for i in order] for order in orders]
 
 
-def _keys(model, ids: list[int], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Every layer's post-RoPE keys [n, kv_heads, head_dim] of a prompt computed whole from position 0."""
+def scratch_prefill(model, ids: list[int], dtype: torch.dtype, device) -> KVPool:
+    """A scratch KV pool holding a prompt computed whole from position 0, at slot == position."""
     n = len(ids)
     cfg = model.config
     blocks = -(-n // BLOCK_SIZE)
@@ -54,7 +54,13 @@ def _keys(model, ids: list[int], dtype: torch.dtype, device) -> list[torch.Tenso
     positions = torch.arange(n, device=device)
     meta = AttentionMetadata([0, n], [torch.arange(blocks, device=device)], [n], positions)
     model(torch.tensor(ids, device=device), positions, meta, pool)
-    return [k.float() for k in pool.read_keys(positions)]  # the table is blocks 0, 1, ...: slot == position
+    return pool
+
+
+def _keys(model, ids: list[int], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Every layer's post-RoPE keys [n, kv_heads, head_dim] of a prompt computed whole from position 0."""
+    pool = scratch_prefill(model, ids, dtype, device)
+    return [k.float() for k in pool.read_keys(torch.arange(len(ids), device=device))]
 
 
 @torch.inference_mode()

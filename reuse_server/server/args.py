@@ -99,6 +99,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def deviation_limit(text: str) -> float | None:
+    """A number >= 0, inf (no limit), or auto (None: calibrated for the model)."""
+    if text.strip().lower() == "auto":
+        return None
+    value = _number(text)
+    if math.isnan(value) or value < 0.0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0 or inf")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0.0):
@@ -345,6 +355,15 @@ def add_serve_parser(commands) -> None:
                             "--no-blend-key-shift: plain CacheBlend (default: on)")
     blend.add_argument("--blend-min-tokens", type=positive_int, metavar="N", default=defaults.blend_min_tokens,
                        help="shortest chunk, in tokens, that is cached and reused")
+    blend.add_argument("--blend-max-deviation", type=deviation_limit, metavar="D",
+                       default=defaults.blend_max_deviation,
+                       help="the fidelity check: a reused chunk whose K or V at the first check layer deviates "
+                            "from what this prompt computes by more than D (relative L2 over the chunk's tokens) "
+                            "is rejected and recomputed whole, on top of the recompute ratio; every selection goes "
+                            "through it (epic and a3 then compute every reused token up to that layer). auto (the "
+                            "default): 1.5 times the largest deviation real paragraphs moved into a chat show on "
+                            "this model, calibrated once per model and kept beside the key shift; inf: off; 0: "
+                            "reject every chunk")
     blend.add_argument("--blend-chunk-tokens", type=non_negative_int, metavar="N", default=defaults.blend_chunk_tokens,
                        help="cut messages and parts into chunks of about N tokens where their content says (a "
                             "rolling hash over token windows: the same text cuts the same way wherever it stands), "
@@ -425,4 +444,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         blend_score=args.blend_score, blend_selection=args.blend_selection, blend_first_tokens=args.blend_first_tokens,
         blend_query_weight=args.blend_query_weight, blend_key_shift=args.blend_key_shift,
         blend_min_tokens=args.blend_min_tokens, blend_chunk_tokens=args.blend_chunk_tokens,
+        blend_max_deviation=args.blend_max_deviation,
         blend_separator=args.blend_separator)

@@ -14,6 +14,10 @@ COUNTERS = {
     "prefix_hit_tokens": ("kvreuse_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "blended_tokens": ("kvreuse_blended_tokens", "Prompt tokens reused from non-prefix chunks (blending)."),
     "recomputed_tokens": ("kvreuse_recomputed_tokens", "Reused prompt tokens recomputed by blending selection."),
+    "blend_rejected_chunks": ("kvreuse_blend_rejected_chunks", "Reused chunks the blending fidelity check "
+                              "rejected (their KV deviated past --blend-max-deviation) and recomputed whole."),
+    "blend_rejected_tokens": ("kvreuse_blend_rejected_tokens", "Reused prompt tokens recomputed because the "
+                              "fidelity check rejected their chunk (also counted in kvreuse_recomputed_tokens)."),
     "prompt_tokens": ("kvreuse_prompt_tokens", "Prompt tokens of admitted requests."),
     "generation_tokens": ("kvreuse_generation_tokens", "Tokens generated."),
     "evicted_blocks": ("kvreuse_evicted_blocks", "KV blocks evicted from the cache."),

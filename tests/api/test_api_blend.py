@@ -34,9 +34,11 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("blend-server") / "server.log"
+    # the fidelity check off: a random checkpoint's deviations say nothing of its text, and these tests count
+    # exactly what is blended (the check's own tests: tests/engine/test_engine_blend_fidelity.py)
     with running_server(checkpoint, log_path, "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", "512",
                         "--max-model-len", str(MAX_MODEL_LEN), "--blend", "--blend-min-tokens", str(MIN_TOKENS),
-                        "--blend-separator", SEP) as url:
+                        "--blend-separator", SEP, "--blend-max-deviation", "inf") as url:
         yield url
 
 
@@ -282,3 +284,13 @@ def test_rejected_requests_hold_no_kv_block_and_did_no_work(server, metrics_befo
                  "kvreuse_e2e_request_latency_seconds_count"):
         assert metric(after, name) == metric(metrics_before_errors, name), name
     assert scrape(server)  # still serving
+
+
+def test_cache_stats_and_metrics_report_blending_and_its_fidelity_check(server):
+    """The blend section of /v1/cache/stats and the Prometheus counters beside the blend ones; this server runs
+    with the check off (null threshold), so nothing is rejected."""
+    stats = httpx.get(server + "/v1/cache/stats", timeout=30).json()["blend"]
+    assert stats["max_deviation"] is None and stats["rejected_chunks"] == stats["rejected_tokens"] == 0
+    m = scrape(server)
+    assert metric(m, "kvreuse_blend_rejected_chunks_total") == metric(m, "kvreuse_blend_rejected_tokens_total") == 0
+    assert stats["blended_tokens"] == metric(m, "kvreuse_blended_tokens_total")

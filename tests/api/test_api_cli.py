@@ -89,6 +89,14 @@ def test_blend_flags_reach_engine_config():
     assert engine_config(build_parser().parse_args(["serve", "--no-blend"])).enable_blend is False
 
 
+@pytest.mark.parametrize("text, limit", [("auto", None), ("AUTO", None), ("0.25", 0.25), ("0", 0.0),
+                                         ("inf", float("inf"))])
+def test_blend_max_deviation_reaches_engine_config(text, limit):
+    args = build_parser().parse_args(["serve", "--blend-max-deviation", text])
+    assert engine_config(args).blend_max_deviation == limit
+    assert engine_config(build_parser().parse_args(["serve"])).blend_max_deviation is None  # auto by default
+
+
 @pytest.mark.parametrize("text, size", [("1GiB", 1 << 30), ("512MiB", 512 << 20), ("512mib", 512 << 20),
                                         ("2GB", 2 * 10**9), ("1.5GiB", 3 << 29), ("4096", 4096)])
 def test_parse_size(text, size):
@@ -126,6 +134,9 @@ def test_parse_size(text, size):
     (["--blend-query-weight", "-1"], "finite number >= 0"),
     (["--blend-query-weight", "inf"], "finite number >= 0"),
     (["--blend-selection", "sparse"], "invalid choice"),
+    (["--blend-max-deviation", "-0.1"], "number >= 0 or inf"),
+    (["--blend-max-deviation", "nan"], "number >= 0 or inf"),
+    (["--blend-max-deviation", "lots"], "not a number"),
     (["--blend-first-tokens", "4"], "needs --blend-selection epic"),
     (["--blend-selection", "a3", "--blend-query-weight", "1"], "needs --blend-selection cacheblend"),
     (["--blend-separator", ""], "must not be empty"),

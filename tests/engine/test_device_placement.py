@@ -4,6 +4,7 @@ host): every function that takes tensors from two owners (the Blender and the po
 the tiers and the pool, the sampler) runs there as on the CPU, and a step reads the device once."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -25,7 +26,8 @@ def checkpoint(tmp_path_factory):
 
 def make_engine(path, device: str, **kw):
     cfg = dict(model=str(path), device=device, block_size=BS, num_gpu_blocks=128, max_num_seqs=4,
-               max_num_batched_tokens=64, enable_blend=True, blend_min_tokens=8, blend_key_shift=False)
+               max_num_batched_tokens=64, enable_blend=True, blend_min_tokens=8, blend_key_shift=False,
+               blend_max_deviation=math.inf)  # the fidelity check off: a random checkpoint's deviations mean nothing
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg))
 
@@ -67,9 +69,16 @@ def blended_run(path, device: str, **kw):
     return tokens, [(lp.token_id, lp.logprob, [t for t, _, _ in lp.top]) for lp in logprobs], out.blended_tokens
 
 
+# the fidelity check measuring every chunk (its sums taken from the device) at a threshold none reaches
+MEASURE_ONLY = 1e9
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(kv_dtype="int8"), dict(kv_dtype="fp8_e4m3"),
-                                dict(blend_query_weight=1.0), dict(blend_key_shift=True)],
-                         ids=["fp32", "int8", "fp8", "query-weight", "key-shift"])
+                                dict(blend_query_weight=1.0), dict(blend_key_shift=True),
+                                dict(blend_max_deviation=MEASURE_ONLY),
+                                dict(blend_max_deviation=MEASURE_ONLY, blend_selection="epic")],
+                         ids=["fp32", "int8", "fp8", "query-weight", "key-shift", "fidelity-check",
+                              "fidelity-check-epic"])
 def test_blending_with_the_pool_on_a_device_gives_the_cpu_s_answer(checkpoint, kw):
     """The Blender counts positions on the host and the pool's keys are on the device: re-RoPE used to get
     them as they were (`old_pos is on cpu, k_cache on cuda:0`), and the first blended prompt stopped the

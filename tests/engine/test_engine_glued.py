@@ -3,6 +3,7 @@ content wherever they stand (blend/content_cuts.py, ChunkIndex.starts) and blend
 Tiny random checkpoint with 4 layers, so the check layer is not the last and blending is approximate."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -24,8 +25,9 @@ def checkpoint(tmp_path_factory):
 
 
 def make_engine(path, **kw):
+    # the fidelity check off unless a test turns it on: a random checkpoint's deviations say nothing of its text
     cfg = dict(model=str(path), block_size=BS, num_gpu_blocks=1024, max_num_seqs=4, max_num_batched_tokens=128,
-               enable_blend=True, blend_min_tokens=MIN, blend_chunk_tokens=CHUNK)
+               enable_blend=True, blend_min_tokens=MIN, blend_chunk_tokens=CHUNK, blend_max_deviation=math.inf)
     cfg.update(kw)
     return build_engine(EngineConfig(**cfg))
 
@@ -55,8 +57,19 @@ def rng():
     return random.Random(seed)
 
 
-def test_a_reordered_glued_prompt_blends_most_of_itself(checkpoint, rng):
-    engine = make_engine(checkpoint)
+def rejected(engine) -> tuple[int, int]:
+    """(chunks, tokens) the fidelity check rejected so far."""
+    snap = engine.snapshot()
+    return snap["blend_rejected_chunks"], snap["blend_rejected_tokens"]
+
+
+# the fidelity check off, at the threshold calibrated for this checkpoint (None: auto), and rejecting everything
+CHECKS = [math.inf, None, 0.0]
+
+
+@pytest.mark.parametrize("max_deviation", CHECKS, ids=["check-off", "check-auto", "check-rejects-all"])
+def test_a_reordered_glued_prompt_blends_most_of_itself(checkpoint, rng, max_deviation):
+    engine = make_engine(checkpoint, blend_max_deviation=max_deviation)
     full = make_engine(checkpoint, enable_blend=False)
     passages = [words(rng, engine.vocab_size, rng.randrange(50, 70)) for _ in range(4)]
     head, question = [5, 6, 7], words(rng, engine.vocab_size, 5)
@@ -64,12 +77,28 @@ def test_a_reordered_glued_prompt_blends_most_of_itself(checkpoint, rng):
     run(engine, "first", first_ids, first_spans)  # files its pieces; nothing to blend yet
     order = [passages[i] for i in (2, 0, 3, 1)]
     ids, spans = glued(head, order, question)
-    out = run(engine, "reordered", ids, spans)[2]
-    assert out.blended_tokens > len(ids) / 2, (out.blended_tokens, len(ids))
+    out = run(engine, "reordered", ids, spans)
+    found = out[2].blended_tokens + out[2].recomputed_tokens
+    assert found > len(ids) / 2, (found, len(ids))
+    chunks, tokens = rejected(engine)
+    # a rejected chunk is recomputed, never counted as blended
+    assert out[2].recomputed_tokens >= tokens and out[2].blended_tokens <= found - tokens
+    if max_deviation == 0.0:  # every chunk found is rejected: the answer is a full prefill's
+        assert out[2].blended_tokens == 0 and tokens == found and chunks > 0
+        ref = run(full, "full0", ids, spans, blend=False)
+        assert out[0] == ref[0]
+        close(out[1], ref[1], 1e-4)
+    else:
+        assert out[2].blended_tokens > len(ids) / 4, (out[2].blended_tokens, len(ids))
+    if max_deviation == math.inf:
+        assert (chunks, tokens) == (0, 0)
     # everything found is recomputed at ratio 1: the answer is a full prefill's
     exact = run(engine, "exact", ids, spans, ratio=1.0)
     ref = run(full, "full", ids, spans, blend=False)
-    assert exact[2].recomputed_tokens > len(ids) / 2 and exact[2].blended_tokens == 0
+    if max_deviation == 0.0:  # nothing was blended: the prompt's KV was exact and filed as such, and hits now
+        assert exact[2].cached_tokens >= len(ids) - BS and exact[2].blended_tokens == 0
+    else:
+        assert exact[2].recomputed_tokens > len(ids) / 2 and exact[2].blended_tokens == 0
     assert exact[0] == ref[0]
     close(exact[1], ref[1], 1e-4)
 
@@ -98,18 +127,30 @@ def test_the_same_text_at_two_offsets_is_reused_at_both(checkpoint, rng):
     assert out.recomputed_tokens > 1.5 * len(text), out.recomputed_tokens
 
 
+@pytest.mark.parametrize("max_deviation", CHECKS, ids=["check-off", "check-auto", "check-rejects-all"])
 @pytest.mark.parametrize("pattern", [[17], [17, 18], [40, 41, 42, 43, 44, 45, 46]])
-def test_repeated_words_blend_without_error_or_leaks(checkpoint, pattern):
+def test_repeated_words_blend_without_error_or_leaks(checkpoint, pattern, max_deviation):
     """'hi hi hi ...': every window hashes alike. The chunks are filed once, found at every offset, and a
-    blend of them ends like any other (ratio 1: the same answer as a full prefill)."""
-    engine = make_engine(checkpoint)
+    blend of them ends like any other (ratio 1: the same answer as a full prefill). What the fidelity check
+    rejects is recomputed, not counted as blended."""
+    engine = make_engine(checkpoint, blend_max_deviation=max_deviation)
     full = make_engine(checkpoint, enable_blend=False)
     text = (pattern * 200)[:300]
     run(engine, "first", *glued([5, 6, 7], [text], [9, 10]))
     engine.cache.check_invariants()
     ids, spans = glued([5, 6, 7, 8, 8], [text[:-3]], [9, 11])
     out = run(engine, "again", ids, spans)
-    assert out[2].blended_tokens + out[2].recomputed_tokens > len(text) / 2
+    found = out[2].blended_tokens + out[2].recomputed_tokens
+    assert found > len(text) / 2
+    chunks, tokens = rejected(engine)
+    assert out[2].recomputed_tokens >= tokens and out[2].blended_tokens <= found - tokens
+    if max_deviation == 0.0:
+        assert out[2].blended_tokens == 0 and tokens == found and chunks > 0
+        ref0 = run(full, "full0", ids, spans, blend=False)
+        assert out[0] == ref0[0]
+        close(out[1], ref0[1], 1e-4)
+    if max_deviation == math.inf:
+        assert (chunks, tokens) == (0, 0)
     exact = run(engine, "exact", ids, spans, ratio=1.0)
     ref = run(full, "full", ids, spans, blend=False)
     assert exact[0] == ref[0]
