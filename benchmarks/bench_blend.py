@@ -270,6 +270,7 @@ def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
         # each case's full prefill ran next to this config's run of it: their ratio cancels the load both saw
         per_case = [f / t for f, t in zip(results["full"]["ttft"], r["ttft"])]
         loads = [x for pair in r["load"] for x in pair]
+        quartiles = statistics.quantiles(per_case, n=4, method="inclusive") if n > 1 else per_case * 3
         rows.append(dict(
             config=name, selection=selection.key() if selection else None, ratio=ratio, cases=n,
             accuracy=round(r["correct"] / n, 4),
@@ -278,8 +279,7 @@ def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
             ttft_median_s=round(statistics.median(r["ttft"]), 4),
             ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
             ttft_speedup_case_median=round(statistics.median(per_case), 2),
-            ttft_speedup_case_quartiles=[round(q, 2) for q in statistics.quantiles(per_case, n=4, method="inclusive")]
-            if len(per_case) > 1 else None,
+            ttft_speedup_case_quartiles=[round(q, 2) for q in quartiles],
             loadavg=dict(start=r["load"][0][0], end=r["load"][-1][1], min=min(loads), max=max(loads)),
             prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4),
             recomputed_share=round(r["recomputed"] / r["prompt"], 4),
