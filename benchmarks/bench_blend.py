@@ -181,6 +181,9 @@ def main() -> None:
                     help="blended requests also use the exact prefix cache, as served (the template opening, and "
                          "the passage precomputed right after it that comes first, are then exact hits); full "
                          "prefill never does. --no-prefix-cache measures blending alone")
+    ap.add_argument("--prefix-only", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the exact prefix cache without blending (with --prefix-cache); "
+                         "--no-prefix-only skips that second near-full prefill per case on a slow machine")
     ap.add_argument("--glued", action="store_true",
                     help="send each prompt's passages and question as ONE string, blank lines between them, not as "
                          "text parts: blending must find the passages by their content (--blend-chunk-tokens)")
@@ -209,7 +212,7 @@ def main() -> None:
     configs = [("full", False, None, False, None)] + [
         (f"ratio={r:g}" if len(selections) == 1 else f"{s.name} ratio={r:g}", True, r, args.prefix_cache, s)
         for r in ratios for s in selections]
-    if args.prefix_cache:
+    if args.prefix_cache and args.prefix_only:
         configs.append(("prefix only", False, None, True, None))
     results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0,
                      load=[])
@@ -252,8 +255,8 @@ def main() -> None:
         if (i + 1) % 10 == 0:
             print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs),
                   file=sys.stderr, flush=True)
-            if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps what it measured
-                Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
+        if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps every case it measured
+            Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
     rows = summarize(results, configs, len(cases), args)
     for row in rows:
         print(json.dumps(row), flush=True)
