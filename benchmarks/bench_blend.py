@@ -283,6 +283,7 @@ def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
             ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
             ttft_speedup_case_median=round(statistics.median(per_case), 2),
             ttft_speedup_case_quartiles=[round(q, 2) for q in quartiles],
+            ttft_per_case_s=[round(t, 4) for t in r["ttft"]],  # in case order: shows a cost that grows run-long
             loadavg=dict(start=r["load"][0][0], end=r["load"][-1][1], min=min(loads), max=max(loads)),
             prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4),
             recomputed_share=round(r["recomputed"] / r["prompt"], 4),
