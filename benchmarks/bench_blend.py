@@ -8,6 +8,10 @@ as served, so the template opening and the passage that comes first are exact hi
 measures blending alone). For full prefill, naive reuse (ratio 0) and selective
 recompute ratios, report answer accuracy, the KL divergence of the first answer token against full
 prefill, greedy agreement of the first tokens, and time to first token (the prefill step).
+Every config of a case runs right after the others (full prefill, then each blended config, ...), so a change
+in the machine's load hits them alike; besides the median TTFTs each row reports the median over cases of that
+case's own full-prefill/config TTFT ratio, and the 1-minute load average (/proc/loadavg) read around its runs.
+Progress goes to stderr, so stdout is one JSON row per config.
 --selections runs each ratio under several selection strategies (cacheblend, epic, a3: blend/strategies.py)
 on the same cases and engine; each spends the same budget, ceil(ratio * reused tokens), per prompt.
 
@@ -22,6 +26,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +129,11 @@ def run_one(engine: LLMEngine, rid: str, ids, spans, blend: bool, ratio: float |
     return out_ids, first, last
 
 
+def load_average() -> float:
+    """The machine's 1-minute load average: TTFTs on a shared CPU are read against it."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def template_lead(tokenizer) -> list[int]:
     """The template's framing before the first passage: a precomputed chunk can be computed after it, so it
     sees the same attention sink (the prompt's first tokens) it will see when reused."""
@@ -171,6 +181,9 @@ def main() -> None:
                     help="blended requests also use the exact prefix cache, as served (the template opening, and "
                          "the passage precomputed right after it that comes first, are then exact hits); full "
                          "prefill never does. --no-prefix-cache measures blending alone")
+    ap.add_argument("--prefix-only", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the exact prefix cache without blending (with --prefix-cache); "
+                         "--no-prefix-only skips that second near-full prefill per case on a slow machine")
     ap.add_argument("--glued", action="store_true",
                     help="send each prompt's passages and question as ONE string, blank lines between them, not as "
                          "text parts: blending must find the passages by their content (--blend-chunk-tokens)")
@@ -199,9 +212,10 @@ def main() -> None:
     configs = [("full", False, None, False, None)] + [
         (f"ratio={r:g}" if len(selections) == 1 else f"{s.name} ratio={r:g}", True, r, args.prefix_cache, s)
         for r in ratios for s in selections]
-    if args.prefix_cache:
+    if args.prefix_cache and args.prefix_only:
         configs.append(("prefix only", False, None, True, None))
-    results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0)
+    results = {name: dict(correct=0, kl=[], agree=[], ttft=[], blended=0, recomputed=0, prefix=0, prompt=0,
+                     load=[])
                for name, *_ in configs}
     cases = make_cases(args.cases, args.passages, args.seed, args.max_words)
     lead = template_lead(tok)
@@ -221,12 +235,14 @@ def main() -> None:
         ref_ids = None
         for name, blend, ratio, prefix_cache, selection in configs:
             rid = f"{name}-{i}"
+            load_before = load_average()
             out_ids, ttft, last = run_one(engine, rid, ids, spans, blend, ratio, args.max_tokens,
                                           prefix_cache=prefix_cache, selection=selection)
             text = tok.decode(out_ids, skip_special_tokens=True)
             r = results[name]
             r["correct"] += case.code in text
             r["ttft"].append(ttft)
+            r["load"].append((load_before, load_average()))
             r["blended"] += last.blended_tokens
             r["recomputed"] += last.recomputed_tokens
             r["prefix"] += last.cached_tokens - last.blended_tokens
@@ -237,9 +253,10 @@ def main() -> None:
             r["agree"].append(out_ids[:FIRST_TOKENS] == ref_ids[:FIRST_TOKENS])
             sampler.first_logits.pop(rid)
         if (i + 1) % 10 == 0:
-            print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs), flush=True)
-            if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps what it measured
-                Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
+            print(f"{i + 1} cases: " + ", ".join(f"{n} {results[n]['correct']}" for n, *_ in configs),
+                  file=sys.stderr, flush=True)
+        if args.out and i + 1 < len(cases):  # a run stopped early (a loaded machine) keeps every case it measured
+            Path(args.out).write_text(json.dumps(summarize(results, configs, i + 1, args), indent=1))
     rows = summarize(results, configs, len(cases), args)
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -253,6 +270,10 @@ def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
     rows = []
     for name, _, ratio, _, selection in configs:
         r = results[name]
+        # each case's full prefill ran next to this config's run of it: their ratio cancels the load both saw
+        per_case = [f / t for f, t in zip(results["full"]["ttft"], r["ttft"])]
+        loads = [x for pair in r["load"] for x in pair]
+        quartiles = statistics.quantiles(per_case, n=4, method="inclusive") if n > 1 else per_case * 3
         rows.append(dict(
             config=name, selection=selection.key() if selection else None, ratio=ratio, cases=n,
             accuracy=round(r["correct"] / n, 4),
@@ -260,6 +281,10 @@ def summarize(results: dict, configs: list, n: int, args) -> list[dict]:
             first_tokens_agree=round(sum(r["agree"]) / n, 4),
             ttft_median_s=round(statistics.median(r["ttft"]), 4),
             ttft_speedup=round(full_ttft / statistics.median(r["ttft"]), 2),
+            ttft_speedup_case_median=round(statistics.median(per_case), 2),
+            ttft_speedup_case_quartiles=[round(q, 2) for q in quartiles],
+            ttft_per_case_s=[round(t, 4) for t in r["ttft"]],  # in case order: shows a cost that grows run-long
+            loadavg=dict(start=r["load"][0][0], end=r["load"][-1][1], min=min(loads), max=max(loads)),
             prefix_hit_share=round(r["prefix"] / r["prompt"], 4), blended_share=round(r["blended"] / r["prompt"], 4),
             recomputed_share=round(r["recomputed"] / r["prompt"], 4),
             mean_prompt_tokens=round(r["prompt"] / n),
