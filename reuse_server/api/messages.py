@@ -4,7 +4,7 @@ system message at its place; `tool_use` blocks the assistant's tool calls (their
 `tool_result` blocks tool messages; tools and tool_choice map one to one (`any` is "required", `tool` a named
 function, `disable_parallel_tool_use` parallel_tool_calls false), `output_config.format` is response_format.
 What Anthropic runs itself (server tools, context edits) and an earlier answer's thinking or server tool
-blocks are left out of the prompt, not refused (README, "Claude Code")."""
+blocks are left out of the prompt, not refused (docs/usage.md, "Coding agents")."""
 from __future__ import annotations
 
 import json

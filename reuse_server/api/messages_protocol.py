@@ -1,7 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens): the request as its documentation
 and the `anthropic` SDK define it (Claude Code's fields included: system messages inside `messages`,
 `thinking`, `output_config`, `context_management`), and the response shapes. `cache_control` (on blocks,
-system blocks, tools and at the top) sets prompt-cache breakpoints (api/cache_breakpoints.py; README,
+system blocks, tools and at the top) sets prompt-cache breakpoints (api/cache_breakpoints.py; docs/usage.md,
 "Anthropic Messages")."""
 from __future__ import annotations
 

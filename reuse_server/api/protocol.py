@@ -309,7 +309,7 @@ class TierTokens(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
-    cache_write_tokens: int = 0  # prompt tokens computed into whole blocks the cache keeps (README)
+    cache_write_tokens: int = 0  # prompt tokens computed into whole blocks the cache keeps (docs/usage.md)
     blended_tokens: int = 0
     recomputed_tokens: int = 0
     tier_tokens: TierTokens = Field(default_factory=TierTokens)

@@ -240,7 +240,7 @@ class Turn:
             "tools": [t.model_dump() for t in body.tools or []], "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled", "usage": usage(last) if last is not None else None,
             "user": body.user, "metadata": body.metadata or {},
-            "skipped_tools": self.tools.skipped,  # extension: the tools left out of the prompt (README)
+            "skipped_tools": self.tools.skipped,  # extension: the tools left out of the prompt (docs/usage.md)
         }
 
     def status(self, last: RequestOutput, reason: str | None) -> str:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (POST /v1/responses, GET/DELETE /v1/responses/{id}): the request as OpenAI documents
 it and its SDKs send it. Fields that would change the answer and that this server cannot honour are refused
-(400); options real clients send that have no use here are accepted (README, "Responses API")."""
+(400); options real clients send that have no use here are accepted (docs/usage.md, "Agent front doors")."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -118,7 +118,7 @@ class NamespaceTool(BaseModel):
 class HostedTool(BaseModel):
     """Any other tool: one OpenAI runs (web_search, file_search, code_interpreter, image_generation, mcp...),
     one the client runs on output this server cannot constrain (custom grammar tools, local_shell,
-    tool_search). Left out of the prompt and reported (README, "Codex CLI")."""
+    tool_search). Left out of the prompt and reported (docs/usage.md, "Coding agents")."""
 
     model_config = ConfigDict(extra="allow")  # echoed back in the response's tools as sent
 
@@ -204,7 +204,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = True
     previous_response_id: str | None = None
     stream: bool | None = False
-    # Accepted, no effect here (README): options with no use on this server.
+    # Accepted, no effect here (docs/usage.md): options with no use on this server.
     include: list[str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None

@@ -96,7 +96,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     # prompt-cache pins (cache_control breakpoints): the share of the pool's blocks one tenant's pins may hold.
     # A quarter: a tenant's pinned system prompt, tools and conversation stay put while three quarters of the
-    # pool remain for running requests and everyone else's ordinary cache (kv/pins.py, README).
+    # pool remain for running requests and everyone else's ordinary cache (kv/pins.py, docs/usage.md).
     max_pinned_share: float = 0.25
     # KV tiers below the device pool (disk and Redis off by default)
     # bytes of host RAM for blocks evicted from the pool; AUTO: off on the CPU (the same RAM: the pool takes it

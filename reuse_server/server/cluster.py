@@ -5,7 +5,7 @@ on a free loopback port, same flags), and the SGLang model gateway (`sglang-rout
 in front of them. Each piece is a subprocess in its own session, so the terminal's Ctrl+C reaches only this
 process, which then stops them in order: the gateway first (no new requests reach the replicas), then the
 replicas (SIGTERM: each drains what it still runs), then Redis. The same three pieces are what one deploys
-on several machines (README, "Several replicas").
+on several machines (docs/operations.md, "Several replicas behind a gateway").
 
 The gateway flags set here (each can be overridden with --gateway-arg):
 - --worker-startup-check-interval 1: in sglang-router 0.3.x this interval is also the period of the load

@@ -1,6 +1,6 @@
 """N `reuse-server dynamo-worker` processes behind NVIDIA Dynamo's own frontend (`python -m dynamo.frontend
 --router-mode kv`) on one machine, all on loopback without etcd or NATS: file discovery (DYN_FILE_KV, a folder of
-this cluster's own), the TCP request plane and the ZMQ event plane (README, "As NVIDIA Dynamo workers"). For
+this cluster's own), the TCP request plane and the ZMQ event plane (docs/operations.md, "As NVIDIA Dynamo workers"). For
 tests and benchmarks, like `cluster.replica_set` and `cluster.gateway` for the other routers.
 
 Each worker serves Dynamo's system server on a port of its own (DYN_SYSTEM_PORT): /health, and /metrics with

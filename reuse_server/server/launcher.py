@@ -105,7 +105,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: floa
 @contextmanager
 def redis_process(port: int | None = None, maxmemory: str = "1gb",
                   new_session: bool = False) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A local redis-server (Debian's `redis-server` on PATH) on a free loopback port, run as the README tells
+    """A local redis-server (Debian's `redis-server` on PATH) on a free loopback port, run as docs/operations.md tells
     users to run it for the KV tier: no persistence, an LRU memory bound. Yields (URL, process)."""
     import shutil
 
