@@ -23,7 +23,7 @@ from blend.fidelity import ChunkDeviation
 from blend.key_shift import KeyShift, moved_keys
 
 from reuse_server.engine.blender import layer_inv_freq
-from reuse_server.engine.key_shift_calibration import cache_path, calibration_chats, scratch_prefill
+from reuse_server.engine.key_shift_calibration import cache_path, calibration_chats, fitted, scratch_prefill
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ def measure(model, tokenizer, dtype: torch.dtype, device, check_layer: int,
     inv_freq = layer_inv_freq(model)
     opening, chats = calibration_chats(tokenizer)
     devs = []
-    for passages in chats:
-        while len(passages) > 2 and len(opening) + sum(map(len, passages)) > cfg.max_position_embeddings:
-            passages = passages[:-1]  # a model with a short context calibrates on shorter chats
+    for passages in fitted(opening, chats, cfg.max_position_embeddings):
         whole = scratch_prefill(model, opening + [t for p in passages for t in p], dtype, device)
         start = len(opening) + len(passages[0])
         for p in passages[1:]:

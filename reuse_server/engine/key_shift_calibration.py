@@ -45,6 +45,17 @@ def calibration_chats(tokenizer, paragraphs=PARAGRAPHS) -> tuple[list[int], list
     return opening, [[passages[i] for i in order] for order in orders]
 
 
+def fitted(opening: list[int], chats: list[list[list[int]]], max_positions: int) -> list[list[list[int]]]:
+    """Each chat cut to the model's context: trailing passages dropped (never below two) until it fits, so a
+    model with a short context calibrates on shorter chats."""
+    out = []
+    for passages in chats:
+        while len(passages) > 2 and len(opening) + sum(map(len, passages)) > max_positions:
+            passages = passages[:-1]
+        out.append(passages)
+    return out
+
+
 def scratch_prefill(model, ids: list[int], dtype: torch.dtype, device) -> KVPool:
     """A scratch KV pool holding a prompt computed whole from position 0, at slot == position."""
     n = len(ids)
@@ -69,9 +80,7 @@ def calibrate(model, tokenizer, dtype: torch.dtype, device, paragraphs=PARAGRAPH
     opening, chats = calibration_chats(tokenizer, paragraphs)
     estimate = KeyShiftEstimate(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, layer_inv_freq(model))
     alone_cache: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for passages in chats:
-        while len(passages) > 2 and len(opening) + sum(map(len, passages)) > cfg.max_position_embeddings:
-            passages = passages[:-1]  # a model with a short context calibrates on shorter chats
+    for passages in fitted(opening, chats, cfg.max_position_embeddings):
         whole = _keys(model, opening + [t for p in passages for t in p], dtype, device)
         start = len(opening) + len(passages[0])
         for p in passages[1:]:
