@@ -60,6 +60,15 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+def whitespace_tokens(tokenizer: Any) -> dict[int, int]:
+    """Each token id that decodes to whitespace alone, and the line breaks in it: what ParagraphCuts
+    (blend/content_cuts.py) reads blank lines from. Decodes the whole vocabulary once (under a second
+    for Gemma 3's 262,144 tokens)."""
+    raw = getattr(tokenizer, "backend_tokenizer", tokenizer)  # the tokenizers.Tokenizer: 5x faster than transformers'
+    texts = raw.decode_batch([[i] for i in range(raw.get_vocab_size())], skip_special_tokens=False)
+    return {i: t.count("\n") for i, t in enumerate(texts) if t.isspace()}
+
+
 def tokenize_chunks(tokenizer: Any, texts: Sequence[str], reusable: Sequence[bool] | None = None) -> list[Chunk]:
     """One Chunk per text, each tokenized alone; ``reusable`` defaults to all True."""
     if reusable is None:

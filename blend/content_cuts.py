@@ -8,15 +8,15 @@ token ids). A passage glued into a message at another offset, after other passag
 was sent alone or in another order once the first cut inside it falls where it fell before (a few dozen tokens
 in), and from there on its chunks have the tokens, and so the chunk index keys, of the chunks filed earlier.
 
-Two variants: `WholeSpans` (the client's spans as they are) and `ContentDefinedCuts`. Spans are cut
-independently of each other: messages and text parts stay boundaries. Pure Python over token ids; no server
-import.
+Three variants: `WholeSpans` (the client's spans as they are), `ContentDefinedCuts`, and `ParagraphCuts`, which
+cuts at blank lines first and hands each paragraph to another variant. Spans are cut independently of each
+other: messages and text parts stay boundaries. Pure Python over token ids; no server import.
 """
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import xxhash
 
@@ -90,4 +90,43 @@ class ContentDefinedCuts:
             out.append((start, end - start))
             start = end
         out.append((start, n - start))
+        return out
+
+
+@dataclass(frozen=True)
+class ParagraphCuts:
+    """Cut each span at its blank lines first, then each paragraph by `inner`. A blank line is a run of
+    whitespace-only tokens holding two or more line breaks (byte-level BPE tokenizes "\\n\\n" before a word as
+    two "\\n" tokens, so a run, not one token); the run is a piece of its own, too short to be filed. A RAG
+    pipeline that glues its passages with blank lines then gets chunks that end where its passages end, and a
+    passage cuts the same way glued in any order, glued alone, or sent as a text part: content-defined cuts
+    alone lose the chunks that straddled two passages in the earlier order (a third of a reordered glued
+    prompt, benchmarks/bench_glued_cuts.py). `newlines`: each whitespace-only token id and the line breaks in
+    it (blend.chunking.whitespace_tokens)."""
+
+    inner: SpanCuts
+    newlines: Mapping[int, int]
+
+    def cut(self, tokens: Sequence[int], spans: Sequence[Span]) -> list[Span]:
+        return self.inner.cut(tokens, self.paragraphs(tokens, spans))
+
+    def paragraphs(self, tokens: Sequence[int], spans: Sequence[Span]) -> list[Span]:
+        """`spans` split into paragraphs and the blank lines between them, in prompt order."""
+        out: list[Span] = []
+        for start, n in spans:
+            piece = i = start  # piece: where the current paragraph began
+            end = start + n
+            while i < end:
+                if tokens[i] not in self.newlines:
+                    i += 1
+                    continue
+                run, lines = i, 0
+                while i < end and tokens[i] in self.newlines:
+                    lines += self.newlines[tokens[i]]
+                    i += 1
+                if lines >= 2:
+                    out.extend(p for p in ((piece, run - piece), (run, i - run)) if p[1])
+                    piece = i
+            if piece < end:
+                out.append((piece, end - piece))
         return out

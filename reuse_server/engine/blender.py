@@ -181,22 +181,30 @@ class Blender:
         offset where a chunk filed in the tree begins with the block of tokens there (ChunkIndex.starts), so
         a passage filed alone, as a text part or as a piece of another prompt is found wherever it now
         stands, with no separator. Where one is found, the longest cached chunk there is taken if it covers
-        at least --blend-min-tokens, and the search goes on after it."""
+        at least --blend-min-tokens, and the search goes on after it. At a cut, the piece that begins there
+        is looked up as well as the rest of the span: a chunk's last block is filed padded, so only a lookup
+        that ends where the chunk ends can match it, and without that each piece found would lose up to a
+        block of tokens."""
         prompt, computed, min_tokens = seq.prompt_ids, seq.num_computed, self.index.min_tokens
         spans = [(s, n) for s, n in self._client_spans(seq) if s + n > computed]
         if not spans:
             return []
         in_tree = self.index.starts(prompt, seq.namespace)
-        cut_starts = [s for s, _ in self.cuts.cut(prompt, spans)]
+        piece_at = dict(self.cuts.cut(prompt, spans))
         reuses = []
         for start, n in spans:
             end = start + n
-            candidates = sorted({p for p in in_tree if start <= p < end} | {p for p in cut_starts if start <= p < end})
+            candidates = sorted({p for p in in_tree if start <= p < end} | {p for p in piece_at if start <= p < end})
             covered = start
             for pos in candidates:
                 if pos < covered or end - pos < min_tokens:
                     continue
                 hit = self.index.lookup(prompt[pos:end], seq.namespace)
+                piece = piece_at.get(pos, 0)
+                if min_tokens <= piece < end - pos:
+                    whole = self.index.lookup(prompt[pos:pos + piece], seq.namespace)
+                    if whole is not None and (hit is None or whole.num_tokens > hit.num_tokens):
+                        hit = whole
                 skip = max(0, computed - pos)  # a chunk may begin inside the exact prefix hit
                 if (hit is not None and hit.num_tokens >= min_tokens and hit.num_tokens > skip
                         and self._whole(hit.block_ids)):

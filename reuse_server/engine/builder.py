@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from blend.chunk_index import ChunkIndex
-from blend.content_cuts import ContentDefinedCuts, WholeSpans
+from blend.chunking import whitespace_tokens
+from blend.content_cuts import ContentDefinedCuts, ParagraphCuts, WholeSpans
 from blend.fidelity import FidelityCheck
 from radix import Listeners, RadixCache
 
@@ -139,7 +140,8 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         gradual_factors=tuple(config.blend_gradual_factors), score=config.blend_score,
         selection=config.blend_strategy(), min_chunk_tokens=config.blend_min_tokens,
         fidelity=FidelityCheck(fidelity_threshold(config, model, tokenizer, path, dtype, key_shift)))
-    cuts = (ContentDefinedCuts.around(config.blend_chunk_tokens, config.blend_min_tokens)
+    cuts = (ParagraphCuts(ContentDefinedCuts.around(config.blend_chunk_tokens, config.blend_min_tokens),
+                          whitespace_tokens(tokenizer))
             if config.blend_chunk_tokens else WholeSpans())
     blender = Blender(pool, blocks, chunk_index, settings, mc.num_layers, layer_inv_freq(model), mc.attention_scale,
                       key_shift, cuts)

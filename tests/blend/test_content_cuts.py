@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blend.content_cuts import ContentDefinedCuts, WholeSpans
+from blend.content_cuts import ContentDefinedCuts, ParagraphCuts, WholeSpans
 
 CUTS = ContentDefinedCuts(min_tokens=8, average_tokens=12, max_tokens=32, window=4)
 # a small vocabulary, so windows repeat and cut candidates are found at many places
@@ -103,3 +103,40 @@ def test_bounds_are_checked():
         ContentDefinedCuts(min_tokens=32, average_tokens=64, max_tokens=40)
     around = ContentDefinedCuts.around(64, 100)  # never shorter than the chunk index's minimum
     assert around.min_tokens == 100 and around.average_tokens > 100 and around.max_tokens >= 200
+
+
+# whitespace-only tokens of a toy vocabulary and their line breaks: 0 "\\n", 1 " ", 2 "\\n\\n", 3 "\\n  "
+NEWLINES = {0: 1, 1: 0, 2: 2, 3: 1}
+PARAGRAPHS = ParagraphCuts(CUTS, NEWLINES)
+WORDS = st.lists(st.integers(4, 40), min_size=1, max_size=120)  # text with no whitespace token
+BLANK_LINES = st.sampled_from([[0, 0], [2], [0, 1, 0], [3, 3], [0, 2, 1]])
+
+
+@SETTINGS
+@given(passages=st.lists(WORDS, min_size=1, max_size=5), breaks=st.lists(BLANK_LINES, min_size=5, max_size=5),
+       head=st.lists(st.integers(0, 40), max_size=30))
+def test_a_passage_between_blank_lines_cuts_as_it_does_alone(passages, breaks, head):
+    """Passages glued with blank lines, in any order, after any head: each is cut into exactly the chunks it
+    is cut into alone, and each blank line is a piece of its own."""
+    tokens, where = list(head), []
+    for passage, blank in zip(passages, breaks):
+        tokens += blank
+        where.append((len(tokens), passage))
+        tokens += passage
+    pieces = PARAGRAPHS.cut(tokens, [(0, len(tokens))])
+    assert [s for s, _ in pieces] == [0] + [s + n for s, n in pieces[:-1]] and sum(n for _, n in pieces) == len(tokens)
+    for start, passage in where:
+        inside = [(s - start, n) for s, n in pieces if start <= s < start + len(passage)]
+        assert inside == CUTS.pieces(passage)
+    for (start, passage), blank in zip(where, breaks):
+        # (the first blank line may take in whitespace the head ends with)
+        assert (start - len(blank), len(blank)) in pieces or start - len(blank) <= len(head)
+
+
+def test_one_line_break_is_not_a_paragraph():
+    text = list(range(4, 24)) + [0, 1] + list(range(24, 44))  # "\\n " then more text: one line break
+    assert PARAGRAPHS.paragraphs(text, [(0, len(text))]) == [(0, len(text))]
+    text = list(range(4, 24)) + [3, 0] + list(range(24, 44))  # "\\n  \\n": a blank line
+    assert PARAGRAPHS.paragraphs(text, [(0, len(text))]) == [(0, 20), (20, 2), (22, 20)]
+    # a blank line at a span's edges, and spans kept apart
+    assert PARAGRAPHS.paragraphs([2, 5, 6, 2, 7, 0, 0], [(0, 3), (3, 4)]) == [(0, 1), (1, 2), (3, 1), (4, 1), (5, 2)]

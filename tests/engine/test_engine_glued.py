@@ -103,6 +103,24 @@ def test_a_reordered_glued_prompt_blends_most_of_itself(checkpoint, rng, max_dev
     close(exact[1], ref[1], 1e-4)
 
 
+def test_passages_glued_with_blank_lines_are_found_whole_in_any_order(checkpoint, rng):
+    """A RAG pipeline's blank lines between passages are cuts (ParagraphCuts): after one prompt files the
+    passages in one order, another order finds every token of every passage, where content cuts alone lose
+    the chunks that straddled two passages."""
+    engine = make_engine(checkpoint)
+    blank = list(engine.tokenizer.encode("\n\n", add_special_tokens=False))
+    plain = [t for t in range(3, engine.vocab_size) if engine.tokenizer.decode([t]).strip()]  # no whitespace
+    passages = [[rng.choice(plain) for _ in range(rng.randrange(50, 70))] for _ in range(4)]
+
+    def prompt(order):
+        body = [t for p in order for t in p + blank]
+        return [5, 6, 7] + body + [9, 10], [(3, len(body) + 2)]
+
+    run(engine, "first", *prompt(passages))
+    out = run(engine, "reordered", *prompt([passages[i] for i in (2, 0, 3, 1)]))[2]
+    assert out.blended_tokens + out.recomputed_tokens >= sum(map(len, passages)), out
+
+
 def test_without_content_cuts_a_reordered_glued_prompt_reuses_only_what_starts_a_filed_span(checkpoint, rng):
     """--blend-chunk-tokens 0: only the client's spans are filed; the glued message is one chunk, so only
     the passage that started it is found again (at its new offset), not the three filed inside it."""
