@@ -32,6 +32,7 @@ cannot admit anyone while nothing runs: `give_way`).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -109,7 +110,8 @@ class BlockManager:
         self.window = window if window is not None else NoWindow()
         self.pins = PinTable()
         self.pin_budget = int(max_pinned_share * cache.num_blocks)  # blocks, per tenant
-        self.pins_given_way = 0  # pins released before their time (a tenant's share, a full pool)
+        # pins released before their time (a tenant's share, a full pool), by tenant: each tenant is shown its own
+        self.given_way_by_tenant: Counter[str] = Counter()
 
     @staticmethod
     def publish_namespace(seq: KVSequence) -> bytes:
@@ -529,8 +531,7 @@ class BlockManager:
             self.cache.pin(held.node)
             self.pins.add(match.node, held.node, tenant, held.num_tokens, ttl, now, window)
         while self.pins.blocks_of(tenant) > self.pin_budget:
-            self._unpin(self.pins.oldest(tenant))
-            self.pins_given_way += 1
+            self._give_way(self.pins.oldest(tenant))
 
     def _breakpoint_blocks(self, seq: KVSequence, end: int, whole: MatchResult) -> MatchResult:
         """The cached blocks a breakpoint at `end` pins: `whole` (those before it), and the block it falls in
@@ -558,9 +559,16 @@ class BlockManager:
         pin = self.pins.oldest()
         if pin is None:
             return False
-        self._unpin(pin)
-        self.pins_given_way += 1
+        self._give_way(pin)
         return True
+
+    @property
+    def pins_given_way(self) -> int:
+        return sum(self.given_way_by_tenant.values())
+
+    def _give_way(self, pin: Pin) -> None:
+        self._unpin(pin)
+        self.given_way_by_tenant[pin.tenant] += 1
 
     def _unpin(self, pin: Pin) -> None:
         self.pins.remove(pin)

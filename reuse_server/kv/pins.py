@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 from radix import TreeNode
 
@@ -97,17 +97,25 @@ class PinTable:
         """Blocks the tenant's pins hold (a block shared by two of its pins counted once)."""
         return _blocks_under(p.held for p in self._pins.values() if p.tenant == tenant)
 
-    def stats(self, now: float, block_size: int) -> dict:
-        """Per tenant: pins, blocks and tokens pinned, and the soonest and latest expiry (seconds from now)."""
+    def stats(self, now: float, block_size: int, given_way: Mapping[str, int]) -> dict:
+        """Per tenant (by tenant_label) with pins in force or pins that gave way (`given_way`, by tenant): pins,
+        blocks and tokens pinned, pins given way, and the soonest and latest expiry (seconds from now; null
+        with no pin in force)."""
         out: dict[str, dict] = {}
-        for tenant in sorted({p.tenant for p in self._pins.values()}):
+        for tenant in sorted({p.tenant for p in self._pins.values()} | {t for t, n in given_way.items() if n}):
             pins = [p for p in self._pins.values() if p.tenant == tenant]
             blocks = _blocks_under(p.held for p in pins)
-            out[tenant or "default"] = {
+            out[tenant_label(tenant)] = {
                 "pins": len(pins), "pinned_blocks": blocks, "pinned_tokens": blocks * block_size,
-                "next_expiry_s": round(min(p.expires_at for p in pins) - now, 3),
-                "last_expiry_s": round(max(p.expires_at for p in pins) - now, 3)}
+                "given_way": given_way.get(tenant, 0),
+                "next_expiry_s": round(min(p.expires_at for p in pins) - now, 3) if pins else None,
+                "last_expiry_s": round(max(p.expires_at for p in pins) - now, 3) if pins else None}
         return out
+
+
+def tenant_label(tenant: str | None) -> str:
+    """How the pin statistics name a tenant: its digest, "default" without API keys (no digest is a word)."""
+    return tenant or "default"
 
 
 def _blocks_under(ends: Iterable[TreeNode]) -> int:
