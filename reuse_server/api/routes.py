@@ -13,10 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from reuse_server.api.app_state import app_state
-from reuse_server.api.auth import require_admin, require_tenant
+from reuse_server.api.auth import cache_viewer, require_admin, require_tenant
 from reuse_server.api.cache_chunks import precompute_chunks
 from reuse_server.api.cache_prefetch import prefetch
 from reuse_server.api.cache_stats import cache_stats
+from reuse_server.api.cache_viewer import CacheViewer
 from reuse_server.api.chat_completions import create_chat_completion
 from reuse_server.api.completions import create_completion
 from reuse_server.api.errors import (RETRY_AFTER_DRAINING, RETRY_AFTER_STALLED, SERVICE_ERRORS, ClientDisconnected,
@@ -191,12 +192,14 @@ async def cache_prefetch(body: CachePrefetchRequest, request: Request) -> Respon
     return await _answer(prefetch, body, request)
 
 
-@router.get("/v1/cache/stats", dependencies=[Depends(require_admin)], response_class=Response,
+@router.get("/v1/cache/stats", response_class=Response,
             responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
-                             "description": "What the device pool and each tier below it hold."},
-                       401: _error("No admin API key (only when the server has one).")})
-async def stats(request: Request) -> Response:
-    return Response(cache_stats(app_state(request).engine), media_type="application/json")
+                             "description": "What the device pool and each tier below it hold; the prompt-cache "
+                                            "pins of every tenant (the admin key) or the caller's own (a tenant "
+                                            "key)."},
+                       401: _error("No admin or tenant API key (only when the server has keys).")})
+async def stats(request: Request, viewer: CacheViewer = Depends(cache_viewer)) -> Response:
+    return Response(cache_stats(app_state(request).engine, viewer), media_type="application/json")
 
 
 # a door's handler: the engine, the request's parsed body, the request

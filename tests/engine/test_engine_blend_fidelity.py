@@ -12,6 +12,7 @@ import torch
 
 from blend.chunking import encode, render_chat_chunks
 from reuse_server.api.cache_stats import cache_stats
+from reuse_server.api.cache_viewer import WholeServer
 from reuse_server.api.chat_template import user_turn_opening
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.config import EngineConfig
@@ -122,7 +123,7 @@ def test_the_stats_report_the_rejections(checkpoint, rng):
     file_chunk(engine, "doc", chunk)
     overwrite_with_noise(engine, chunk, rng)
     run(engine, "q", *glued([5, 6, 7, 8], [chunk], [9, 10]), ratio=0.0)
-    blend = json.loads(cache_stats(engine))["blend"]
+    blend = json.loads(cache_stats(engine, WholeServer()))["blend"]
     assert blend["rejected_chunks"] == 1 and blend["rejected_tokens"] == len(chunk)
     assert blend["max_deviation"] == 1.0 and blend["blended_tokens"] == 0
 
