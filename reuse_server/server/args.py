@@ -381,7 +381,8 @@ def add_serve_parser(commands) -> None:
     service.add_argument("--api-key-file", metavar="FILE",
                          help="read more keys from FILE, one a line ('#' lines and blank lines skipped)")
     service.add_argument("--admin-api-key", dest="admin_api_keys", action="append", metavar="KEY",
-                         help="a key /metrics requires (repeatable) (default: none, /metrics is open)")
+                         help="a key /metrics requires (repeatable), and the one that sees every tenant's pins in "
+                              "/v1/cache/stats (a tenant key sees its own) (default: none, /metrics is open)")
     service.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING, metavar="N",
                          help="most requests waiting to be scheduled (each choice of n counts); past it, "
                               "429 with Retry-After")
