@@ -365,7 +365,8 @@ def add_serve_parser(commands) -> None:
                             "this model, calibrated once per model and kept beside the key shift; inf: off; 0: "
                             "reject every chunk")
     blend.add_argument("--blend-chunk-tokens", type=non_negative_int, metavar="N", default=defaults.blend_chunk_tokens,
-                       help="cut messages and parts into chunks of about N tokens where their content says (a "
+                       help="cut messages and parts at their blank lines, then into chunks of about N tokens where "
+                            "their content says (a "
                             "rolling hash over token windows: the same text cuts the same way wherever it stands), "
                             "so passages glued into one message are found and reused; chunks are never shorter "
                             "than --blend-min-tokens. 0: only the client's messages, parts and separators "
