@@ -81,6 +81,7 @@ async def passes(url: str, cfg: WorkloadConfig, concurrency: int):
 def summary(results) -> dict:
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
     return dict(requests=len(results), errors=sum(not r.ok for r in results),
+                error_messages=sorted({str(r.error)[:200] for r in results if not r.ok}),
                 ttft_mean_s=round(statistics.fmean(ttfts), 4) if ttfts else None,
                 ttft_median_s=round(statistics.median(ttfts), 4) if ttfts else None,
                 prompt_tokens=sum(r.prompt_tokens for r in results),
