@@ -167,11 +167,11 @@ def test_a_worker_killed_mid_run_costs_no_request_the_frontend_can_retry(tiny_ll
     at once, by the thread that read it: so the victim is killed generating it (its other 1023 tokens take far
     longer than a chunk's way to the client), while short ones run and more are coming, whichever worker the
     KV router chose (which one gets the short ones depends on load and timing: on a busy machine one worker can
-    take them all, so the test never waits for a given one to get some). Every request gets its whole answer: the frontend migrates those
-    the dead worker dropped (with what they had generated: the long one goes on from the survivor, a migration
-    Dynamo counts as ongoing_request) and those it still routes there to the survivor. The dead worker's
-    discovery entry expires (the file backend's lease), the router drops it, and what comes after is all
-    served by the survivor."""
+    take them all, so the test never waits for a given one to get some). Every request gets its whole answer:
+    the frontend migrates those the dead worker dropped (with what they had generated: the long one goes on
+    from the survivor, a migration Dynamo counts as ongoing_request) and those it still routes there to the
+    survivor. The dead worker's discovery entry expires (the file backend's lease), the router drops it, and
+    what comes after is all served by the survivor."""
     serve_args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
                   "--num-gpu-blocks", "512", "--no-blend-key-shift"]  # the long request fits beside the others
     with dynamo_cluster(2, serve_args, tmp_path, startup_timeout=240,
