@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from reuse_server.server.dynamo_cluster import dynamo_cluster
 
@@ -160,43 +161,69 @@ def test_a_workers_evictions_move_the_prompt_to_the_other(dynamo, evicting):
 
 def test_a_worker_killed_mid_run_costs_no_request_the_frontend_can_retry(tiny_llama_path, tmp_path):
     """Two workers of its own behind a frontend with --migration-limit 3 (by default, 0, Dynamo answers 503 for
-    each request a dead worker held or is sent before discovery drops it). 24 requests, 6 at a time; worker 1
-    is SIGKILLed while it runs some. Every one gets its whole answer: the frontend migrates those the dead
-    worker dropped (with what they had generated) and those it still routes there to the survivor, and counts
-    the migrations. The dead worker's discovery entry expires (the file backend's lease), the router drops it,
-    and what comes after is all served by the survivor."""
+    each request a dead worker held or is sent before discovery drops it). Streamed requests ask Dynamo to name
+    in their chunks the worker the router sent them to (nvext.extra_fields: worker_id): a long one (1024
+    tokens) and 24 short ones beside it, 6 at a time. The worker the long one's first chunk names is SIGKILLed
+    at once, by the thread that read it: so the victim is killed generating it (its other 1023 tokens take far
+    longer than a chunk's way to the client), while short ones run and more are coming, whichever worker the
+    KV router chose (which one gets the short ones depends on load and timing: on a busy machine one worker can
+    take them all, so the test never waits for a given one to get some). Every request gets its whole answer:
+    the frontend migrates those the dead worker dropped (with what they had generated: the long one goes on
+    from the survivor, a migration Dynamo counts as ongoing_request) and those it still routes there to the
+    survivor. The dead worker's discovery entry expires (the file backend's lease), the router drops it, and
+    what comes after is all served by the survivor."""
     serve_args = ["--model", str(tiny_llama_path), "--served-model-name", "tiny", "--block-size", str(BS),
-                  "--num-gpu-blocks", "64", "--no-blend-key-shift"]
+                  "--num-gpu-blocks", "512", "--no-blend-key-shift"]  # the long request fits beside the others
     with dynamo_cluster(2, serve_args, tmp_path, startup_timeout=240,
                         frontend_args=["--migration-limit", "3"]) as cluster:
         url, ports = cluster.url, cluster.system_ports
-        victim = worker_id(ports[1])
+        ids = [worker_id(port) for port in ports]  # the workers as the chunks name them
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=180)  # the frontend retries
+        victims: list[int] = []
 
-        def ask(i: int) -> dict:
-            body = {"model": "tiny", "prompt": f"Request {i}: {text(300 + i)}", "max_tokens": 64, "ignore_eos": True}
-            r = httpx.post(url + "/v1/completions", json=body, timeout=180)
-            assert r.status_code == 200, (i, r.status_code, r.text)
-            return r.json()
+        def kill(worker: int) -> None:
+            cluster.worker_processes[worker].kill()  # mid-run: it is generating the request just read
+            victims.append(worker)
 
-        def running(port: int) -> float:
-            return samples(worker_url(port), "dynamo_component_inflight_requests", 'dynamo_endpoint="generate"')
+        def ask(i: int, max_tokens: int = 64, on_first_chunk=lambda worker: None) -> dict:
+            """Request i, streamed; on_first_chunk gets the worker the first chunk names. Its usage."""
+            stream = client.completions.create(
+                model="tiny", prompt=f"Request {i}: {text(300 + i)}", max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "nvext": {"extra_fields": ["worker_id"]}})
+            usage, first = None, True
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage.model_dump()
+                if chunk.choices and first:
+                    first = False
+                    on_first_chunk(ids.index(chunk.model_extra["nvext"]["worker_id"]["decode_worker_id"]))
+            return usage
 
-        with ThreadPoolExecutor(6) as pool:
+        with ThreadPoolExecutor(7) as pool:
+            long = pool.submit(ask, 99, 1024, kill)
             futures = [pool.submit(ask, i) for i in range(24)]
-            until(lambda: running(ports[1]) >= 1, "a request on worker 1")
-            unanswered_at_kill = sum(not f.done() for f in futures)
-            cluster.worker_processes[1].kill()  # mid-run: requests are in flight on it and more are coming
-            cluster.worker_processes[1].wait()
+            long_usage = long.result()
             answers = [f.result() for f in futures]
-        assert unanswered_at_kill > 0
-        assert all(a["usage"]["completion_tokens"] == 64 for a in answers)
-        assert samples(url, "dynamo_frontend_model_migration_total") > 0
-        until(lambda: samples(url, "dynamo_component_router_worker_registered", f'router_worker_id="{victim}"') == 0,
+        victim, = victims
+        survivor = 1 - victim
+        cluster.worker_processes[victim].wait()
+        assert long_usage["completion_tokens"] == 1024
+        assert all(usage["completion_tokens"] == 64 for usage in answers)
+        # the frontend took up again at least one stream the victim had started (the long one): Dynamo counts
+        # those apart from requests it could not send to the dead worker at all (new_request)
+        migrations = {kind: samples(url, "dynamo_frontend_model_migration_total", f'migration_type="{kind}"')
+                      for kind in ("ongoing_request", "new_request")}
+        print("migrations:", migrations)
+        assert migrations["ongoing_request"] >= 1
+        until(lambda: samples(url, "dynamo_component_router_worker_registered",
+                              f'router_worker_id="{ids[victim]}"') == 0,
               "the router's dropping the dead worker")
-        before = worker_requests(ports[0])
-        after = [ask(100 + i) for i in range(4)]
-        assert all(a["usage"]["completion_tokens"] == 64 for a in after)
-        assert worker_requests(ports[0]) - before == 4
+        before = worker_requests(ports[survivor])
+        after = [client.completions.create(model="tiny", prompt=f"Request {100 + i}: {text(400 + i)}",
+                                           max_tokens=64, extra_body={"ignore_eos": True}) for i in range(4)]
+        assert all(a.usage.completion_tokens == 64 for a in after)
+        assert worker_requests(ports[survivor]) - before == 4
 
 
 def test_served_names_and_max_tokens_reach_dynamo(tiny_llama_path, tmp_path):
