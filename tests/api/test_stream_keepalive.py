@@ -5,7 +5,6 @@ of silence; OpenAI's streams send SSE comment lines. Clients with a read timeout
 (the official SDKs, max_retries=0) get their whole answer in one request instead of timing out."""
 import json
 import threading
-import time
 
 import anthropic
 import httpx
@@ -102,9 +101,10 @@ def test_anthropic_sdk_with_a_short_read_timeout_gets_its_answer_through_a_long_
         first = next(events)
         assert first.type == "message_start"  # the SDK drops pings: the next event is the first token's
         assert switches.hung.is_set() and not switches.release.is_set()  # ... while the prefill is blocked
-        time.sleep(3 * READ_TIMEOUT)  # a prefill silent for longer than the client's read timeout
-        switches.release.set()
+        released = threading.Timer(3 * READ_TIMEOUT, switches.release.set)  # the prefill outlasts the timeout,
+        released.start()  # with the client reading meanwhile
         rest = [event.type for event in events]
+        released.join()
         message = stream.get_final_message()
     assert rest[0] == "content_block_start" and rest[-1] == "message_stop"
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens >= 1
