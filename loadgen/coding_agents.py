@@ -22,7 +22,7 @@ from loadgen.recording_proxy import Exchange, RecordingProxy
 REPO = Path(__file__).resolve().parents[1]
 AGENT_BIN = REPO / "coding-agents" / "node_modules" / ".bin"
 DUMMY_KEY = "sk-reuse-server-test"
-STREAM_IDLE_TIMEOUT_MS = 900_000  # Claude Code's wait for a stream's next byte: one CLI turn's bound, 15 min
+STREAM_IDLE_TIMEOUT_MS = 900_000  # Claude Code's wait for a stream's next event: one CLI turn's bound, 15 min
 
 
 class AgentError(Exception):
@@ -166,9 +166,9 @@ class ClaudeCode(CodingAgent):
                 "ANTHROPIC_API_KEY": DUMMY_KEY, "ANTHROPIC_MODEL": self.model,
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                 "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(self.max_output_tokens),
-                # Claude Code drops a stream that sends no byte for 300 s (its floor) and sends the request
-                # again unstreamed: a cold 20k-token prefill on a loaded 2-core CPU takes longer, and would be
-                # computed twice
+                # Claude Code drops a stream that sends no SSE event but pings for 300 s (its floor) and sends
+                # the request again unstreamed: a cold 20k-token prefill on a loaded 2-core CPU takes longer
+                # after message_start, and would be computed twice
                 "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(STREAM_IDLE_TIMEOUT_MS)}
 
     def turn(self, proxy: RecordingProxy, task: str, first: bool, timeout: float) -> AgentRun:

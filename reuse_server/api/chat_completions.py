@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from reuse_server.api.chat import AnswerStep, PreparedChat, answer_steps, prepare_chat, whole_answers
 from reuse_server.api.generation import SSEResponse, sse_events, usage_from
+from reuse_server.api.keepalive import CommentLine, keepalive_for, kept_alive
 from reuse_server.api.protocol import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatTokenLogprob, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
@@ -43,7 +44,7 @@ async def create_chat_completion(engine: EngineClient, body: ChatCompletionReque
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = chat_chunks(chat, answer_steps(chat, outputs), created, engine.model_id, include_usage,
                              logprobs is not None)
-        return SSEResponse(sse_events(chunks, outputs))
+        return SSEResponse(kept_alive(sse_events(chunks, outputs), keepalive_for(CommentLine, request)))
 
     choices = []
     answers = await whole_answers(chat, outputs, request)

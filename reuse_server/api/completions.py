@@ -14,6 +14,7 @@ from reuse_server.api.app_state import app_state
 from reuse_server.api.generation import (SSEResponse, cache_options, check_common, check_model, collect,
                                          compile_constraint, generate_choices, sampling_params, sse_events,
                                          usage_from)
+from reuse_server.api.keepalive import CommentLine, keepalive_for, kept_alive
 from reuse_server.api.prompt_chunks import PromptChunks, from_chunks, leading_special_tokens
 from reuse_server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from reuse_server.engine.client import EngineClient
@@ -84,7 +85,7 @@ async def create_completion(engine: EngineClient, body: CompletionRequest, reque
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = completion_chunks(outputs, n, request_id, created, engine.model_id, include_usage,
                                    params.logprobs is not None)
-        return SSEResponse(sse_events(chunks, outputs))
+        return SSEResponse(kept_alive(sse_events(chunks, outputs), keepalive_for(CommentLine, request)))
 
     choices = []
     per_choice = await collect(outputs, n, request)

@@ -22,7 +22,7 @@ from reuse_server.api.protocol import GenerationRequest, PromptTokensDetails, Re
 from reuse_server.api.tools import ToolSettings, output_grammar
 from reuse_server.engine.client import EngineClient
 from reuse_server.engine.model_names import ModelNames
-from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.outputs import Admission, RequestOutput
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, SamplingParams
 from reuse_server.engine.structured_output import Grammar
 
@@ -149,6 +149,10 @@ class ChoiceOutputs:
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._merged
 
+    async def admitted(self) -> Admission:
+        """Once the first choice is let into the engine's running batch (the one that computes the prompt)."""
+        return await self.streams[0].admitted()
+
     async def aclose(self) -> None:
         await self._merged.aclose()
         for stream in self.streams:
@@ -191,6 +195,34 @@ async def interleave(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def admitted_first(admitted: Awaitable[Admission], items: AsyncIterator[T]) -> AsyncIterator[Admission | T]:
+    """`items`, after the request's Admission if it comes first: it does, by a whole prefill for a long prompt,
+    unless the request ends before it is admitted (its error is then raised here). Closing this closes
+    `items` (a read of it still pending is cancelled first)."""
+    waiting = asyncio.ensure_future(admitted)
+    first = asyncio.ensure_future(_next_of(items))
+    try:
+        await asyncio.wait({waiting, first}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():  # the engine sends the admission before the step that computes the prompt
+            yield waiting.result()
+        try:
+            item = await first
+        except StopAsyncIteration:
+            return
+        yield item
+        async for item in items:
+            yield item
+    finally:
+        for task in (waiting, first):
+            task.cancel()
+        await asyncio.gather(waiting, first, return_exceptions=True)
+        await items.aclose()
+
+
+async def _next_of(items: AsyncIterator[T]) -> T:
+    return await anext(items)
 
 
 async def until_done_or_disconnected(awaitable: Awaitable[T], request: Request) -> T:

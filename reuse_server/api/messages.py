@@ -18,17 +18,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from reuse_server.api.app_state import app_state
-from reuse_server.api.chat import AnswerStep, PreparedChat, answer_steps, prepare_chat, whole_answers
+from reuse_server.api.chat import PreparedChat, answer_steps, prepare_chat, whole_answers
 from reuse_server.api.chat_template import render_chat_prompt
 from reuse_server.api.errors import anthropic_error_body, describe_validation_error
-from reuse_server.api.generation import SSEResponse, check_model, named_sse_events
+from reuse_server.api.generation import ChoiceOutputs, SSEResponse, admitted_first, check_model, named_sse_events
+from reuse_server.api.keepalive import AnthropicPing, keepalive_for, kept_alive
 from reuse_server.api.messages_cache import cache_usage, marked, tool_result_content, with_automatic_breakpoint
 from reuse_server.api.messages_protocol import (AnthropicMessage, CountTokensRequest, CustomTool, HistoryOnlyBlock,
                                                 MessagesRequest, ServerTool, TextBlock)
 from reuse_server.api.protocol import ChatCompletionRequest
 from reuse_server.api.tools import tool_settings
 from reuse_server.engine.client import EngineClient
-from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.outputs import Admission, RequestOutput
 from reuse_server.engine.sampling_params import InvalidRequest
 
 logger = logging.getLogger("reuse_server.api")
@@ -186,6 +187,13 @@ def usage(last: RequestOutput, output_tokens: int | None = None) -> dict:
             "tier_tokens": {"host": 0, "disk": 0, "redis": 0, **last.tier_tokens}}
 
 
+def admission_usage(admission: Admission) -> dict:
+    """message_start's usage when it goes out at admission, before the prompt is computed: the prefix match
+    is known, blended chunks not yet (message_delta's usage, the final one, counts them)."""
+    return {**cache_usage(admission), "output_tokens": 0, "blended_tokens": 0, "recomputed_tokens": 0,
+            "tier_tokens": {"host": 0, "disk": 0, "redis": 0, **admission.tier_tokens}}
+
+
 def stop_sequence(engine: EngineClient, chat: PreparedChat, token_ids: list[int], text: str,
                   reason: str | None) -> str | None:
     """The stop sequence that ended the answer, if one did (the engine cuts it from the text it returns)."""
@@ -215,8 +223,9 @@ async def create_message(engine: EngineClient, body: MessagesRequest, request: R
     chat = await prepare_chat(engine, chat_request(body), request, f"msg_{uuid.uuid4().hex}")
     outputs = chat.start(engine, request)
     if body.stream:
-        events = message_events(engine, chat, answer_steps(chat, outputs))
-        return SSEResponse(named_sse_events(events, outputs, _error_event))
+        events = message_events(engine, chat, outputs)
+        frames = named_sse_events(events, outputs, _error_event)
+        return SSEResponse(kept_alive(frames, keepalive_for(AnthropicPing, request)))
     (answer,) = await whole_answers(chat, outputs, request)
     content: list[dict[str, Any]] = []
     if answer.parsed.content:
@@ -234,10 +243,17 @@ def _error_event(status: int, message: str, _: str) -> tuple[str, dict]:
     return "error", anthropic_error_body(status, message)
 
 
+def message_start(engine: EngineClient, chat: PreparedChat, usage: dict) -> list[tuple[str, dict]]:
+    return [("message_start", {"type": "message_start", "message": {
+        **message_shell(chat.request_id, engine.model_id), "usage": usage}}), ("ping", {"type": "ping"})]
+
+
 async def message_events(engine: EngineClient, chat: PreparedChat,
-                         steps: AsyncIterator[AnswerStep]) -> AsyncIterator[tuple[str, dict]]:
-    """Anthropic's stream: message_start (once the prompt is in, so its usage is known), ping, a
-    content_block_start / _delta / _stop run per text or tool_use block, message_delta, message_stop."""
+                         outputs: ChoiceOutputs) -> AsyncIterator[tuple[str, dict]]:
+    """Anthropic's stream: message_start (as soon as the engine admits the request, so its prefix match is
+    known, and a long prompt's stream starts a whole prefill before its first token: Claude Code's idle timer
+    restarts on it), ping, a content_block_start / _delta / _stop run per text or tool_use block,
+    message_delta, message_stop. Pings also fill the silences (api/keepalive.py)."""
     block, open_block = -1, None
     token_ids: list[int] = []
     raw_text = ""
@@ -250,15 +266,19 @@ async def message_events(engine: EngineClient, chat: PreparedChat,
         return []
 
     started = False
-    async for step in steps:
+    async for step in admitted_first(outputs.admitted(), answer_steps(chat, outputs)):
+        if isinstance(step, Admission):
+            started = True
+            for item in message_start(engine, chat, admission_usage(step)):
+                yield item
+            continue
         out = step.out
         token_ids += out.new_token_ids
         raw_text += out.new_text
-        if not started:
+        if not started:  # an output with no admission before it: the stream still opens with message_start
             started = True
-            yield "message_start", {"type": "message_start", "message": {
-                **message_shell(chat.request_id, engine.model_id), "usage": usage(out, output_tokens=0)}}
-            yield "ping", {"type": "ping"}
+            for item in message_start(engine, chat, usage(out, output_tokens=0)):
+                yield item
         for event in step.events:
             if event.kind == "content":
                 if open_block != "text":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from reuse_server.api.cache_breakpoints import TTL_NAMES
 from reuse_server.api.messages_protocol import MessagesRequest, TextBlock
-from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.outputs import Admission, RequestOutput
 
 
 def marked(part: dict, block) -> dict:
@@ -38,7 +38,7 @@ def with_automatic_breakpoint(body: MessagesRequest) -> MessagesRequest:
     return body.model_copy(update={"messages": body.messages[:-1] + [last.model_copy(update={"content": blocks})]})
 
 
-def cache_usage(last: RequestOutput) -> dict:
+def cache_usage(last: RequestOutput | Admission) -> dict:
     """Anthropic's cache figures: tokens written at breakpoints (computed now, up to the last one) by time to
     live, tokens read from the cache, and the rest of the prompt as input_tokens (which excludes both)."""
     writes = {TTL_NAMES.get(ttl, "5m"): n for ttl, n in last.breakpoint_write_tokens.items()}

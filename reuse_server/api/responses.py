@@ -27,6 +27,7 @@ from reuse_server.api.chat import Answer, AnswerStep, PreparedChat, answer_steps
 from reuse_server.api.chat_template import render_chat_prompt, render_continuation
 from reuse_server.api.errors import NotFound, describe_validation_error, error_body
 from reuse_server.api.generation import SSEResponse, named_sse_events
+from reuse_server.api.keepalive import CommentLine, keepalive_for, kept_alive
 from reuse_server.api.prompt_chunks import PromptChunks
 from reuse_server.api.protocol import ChatCompletionRequest, ChatMessage
 from reuse_server.api.response_store import ResponseStore, StoredResponse
@@ -311,7 +312,8 @@ async def create_response(engine: EngineClient, body: ResponsesRequest, request:
     if body.stream:
         numbered = Numbered()
         events = numbered.wrap(response_events(turn, chat, answer_steps(chat, outputs)))
-        return SSEResponse(named_sse_events(events, outputs, numbered.error_event))
+        frames = named_sse_events(events, outputs, numbered.error_event)
+        return SSEResponse(kept_alive(frames, keepalive_for(CommentLine, request)))
     (answer,) = await whole_answers(chat, outputs, request)
     response = turn.finished(whole_output(tools, answer, turn.status(answer.last, answer.finish_reason)),
                              answer.last, answer.finish_reason)

@@ -32,7 +32,7 @@ from reuse_server.engine.engine import LLMEngine
 from reuse_server.engine.inbox import Abort, Add, InboxMessage, Precompute, Prefetch, Submission
 from reuse_server.engine.builder import build_engine
 from reuse_server.engine.model_names import ModelNames
-from reuse_server.engine.outputs import RequestOutput
+from reuse_server.engine.outputs import Admission, RequestOutput
 from reuse_server.engine.request_errors import (EngineDeadError, EngineStalled, QueueFull, RequestTimedOut,
                                                 ServerDraining)
 from reuse_server.engine.sampling_params import CacheOptions, SamplingParams
@@ -52,13 +52,14 @@ class AsyncEngine:
         if max_waiting is not None and max_waiting < 1:
             raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self.engine = engine
+        engine.on_admitted = lambda admission: self._send(admission.request_id, admission)
         self.max_waiting = max_waiting
         self._inbox: deque[InboxMessage] = deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._snapshot = engine.snapshot()
         self._started = threading.Event()  # start() has handed over the event loop
         # Waiting requests, counted when queue room is checked: adds still in the inbox plus the scheduler's queue
@@ -315,7 +316,11 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item) -> None:
         queue = self._queues.get(request_id)
-        if queue is not None:
+        if queue is None:
+            return
+        if isinstance(item, Admission):
+            queue.admit(item)
+        else:
             queue.put_nowait(item)
 
     def _send(self, request_id: str, item) -> None:
@@ -430,13 +435,27 @@ class AsyncEngine:
             log.exception("closing the engine failed")
 
 
+class OutputQueue(asyncio.Queue):
+    """A request's outputs (or the error that ends it) in order, and apart from them the news of its admission,
+    which comes before its first output and which a consumer may await while that output is computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admission: Admission | None = None
+        self.admitted = asyncio.Event()
+
+    def admit(self, admission: Admission) -> None:
+        self.admission = admission
+        self.admitted.set()
+
+
 class RequestStream:
     """One request's outputs as an async iterator. Closing it (aclose, or garbage collection) before its last
     output aborts the request, whether or not it was ever iterated."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, deadline: float | None) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = OutputQueue()
         self._owner = owner
         self._deadline = deadline
         self._ended = False
@@ -461,6 +480,12 @@ class RequestStream:
             if item.finish_reason != "abort":
                 await self._owner.settle_shared_writes()
         return item
+
+    async def admitted(self) -> Admission:
+        """Once the engine has let the request into its running batch (Admission). Waits for ever if it never
+        is (an error or the end comes first): await it alongside the outputs."""
+        await self.queue.admitted.wait()
+        return self.queue.admission
 
     async def _next(self):
         if self._deadline is None:

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from blend.chunk_index import ChunkIndex
@@ -22,7 +22,7 @@ from reuse_server.engine.blender import Blender
 from reuse_server.engine.config import EngineConfig
 from reuse_server.engine.detokenizer import IncrementalDetokenizer
 from reuse_server.engine.model_names import ModelNames
-from reuse_server.engine.outputs import RequestOutput, TokenLogprob
+from reuse_server.engine.outputs import Admission, RequestOutput, TokenLogprob
 from reuse_server.engine.runner import ModelRunner
 from reuse_server.engine.sampler import Sampler
 from reuse_server.engine.sampling_params import CacheOptions, InvalidRequest, PromptTooLong, SamplingParams
@@ -100,6 +100,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # every request in the engine, by id (the engine alone writes it)
         self.prefetches: list[Sequence] = []  # prefetches the pool could not take yet (see prefetch)
         self.metrics = None  # the server's metrics, attached by it (server/metrics.py: wire_metrics)
+        # told of each generating request's first admission before the step computes its prompt (AsyncEngine
+        # hands it to the request's stream: a long prefill's stream can start before its first token)
+        self.on_admitted: Callable[[Admission], None] | None = None
         self.clock = time.monotonic  # what prompt-cache pins expire by (tests pass their own)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefix_query_tokens=0, prefix_hit_tokens=0,
                              blended_tokens=0, recomputed_tokens=0)
@@ -240,6 +243,7 @@ class LLMEngine:
                 del self.seqs[seq.request_id]
                 outputs.append(out)
         slices = self.scheduler.schedule(self.clock())
+        self._report_admissions()
         slices = [c for c in slices if c.num_tokens]
         if not slices:
             return outputs
@@ -276,6 +280,14 @@ class LLMEngine:
                 self._observe_end(seq)
             outputs.append(self._output(seq, update.new_token_ids, update.new_text, finished, logprobs.get(seq)))
         return outputs
+
+    def _report_admissions(self) -> None:
+        for seq in self.scheduler.take_admitted():
+            if seq.generates and self.on_admitted is not None:
+                usage = seq.usage
+                self.on_admitted(Admission(seq.request_id, len(seq.prompt_ids), usage.cached_tokens,
+                                           dict(usage.tier_tokens),
+                                           self.scheduler.breakpoint_writes(seq, usage.cached_tokens)))
 
     def _forward(self, slices, want: list[bool]) -> torch.Tensor | None:
         """One forward for the step; a blended prefill's slice only chooses rows (blending.SliceSelection)."""

@@ -32,3 +32,18 @@ class RequestOutput:
     cache_write_tokens: int = 0  # prompt tokens computed into whole blocks the cache now keeps
     # prompt tokens computed up to the request's last breakpoint, by the breakpoints' time to live in seconds
     breakpoint_write_tokens: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Admission:
+    """A request let into the running batch for the first time: its prompt's match against the cache is known
+    and its prefill starts now. A long prompt's first output is a whole prefill away, so a stream that must
+    answer before it (Anthropic's message_start carries the prompt's usage) answers from this. Blended tokens
+    are not in it: they are known once the prompt is computed (RequestOutput.cached_tokens then adds them)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    cached_tokens: int  # prompt tokens the prefix match (and the tiers under the pool) served
+    tier_tokens: dict[str, int] = field(default_factory=dict)  # of cached_tokens, those from host/disk/redis
+    # prompt tokens this request computes up to its last breakpoint, by time to live (as RequestOutput's)
+    breakpoint_write_tokens: dict[int, int] = field(default_factory=dict)

@@ -86,6 +86,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.admitted: list[Sequence] = []  # admitted for the first time since the engine last took them
         self.num_preemptions = 0
         self.now = time.monotonic()  # the step's time (schedule's `now`): pins are renewed and made at it
 
@@ -174,6 +175,7 @@ class Scheduler:
             if seq.usage.cached_tokens is None:  # the first admission is what the client is told
                 seq.usage.cached_tokens = admission.cached_tokens
                 seq.usage.tier_tokens = dict(admission.by_tier)
+                self.admitted.append(seq)
             n = min(self.blocks.computable(seq), budget)
             batch.append(StepSlice(seq, n))
             budget -= n
@@ -197,6 +199,19 @@ class Scheduler:
     def blends(self, seq: Sequence) -> bool:
         wanted = self.blend_default if seq.options.blend is None else seq.options.blend
         return self.blender is not None and wanted and self.blender.fits(seq)
+
+    def take_admitted(self) -> list[Sequence]:
+        """The sequences admitted for the first time since the last call (the engine reports them before the
+        step's forward computes their prompts)."""
+        admitted, self.admitted = self.admitted, []
+        return admitted
+
+    def breakpoint_writes(self, seq: Sequence, cached_tokens: int) -> dict[int, int]:
+        """Anthropic's cache writes of seq, had it reused `cached_tokens` (kv/pins.breakpoint_writes): none
+        where it uses no prefix cache, as nothing it computes is kept for a later request."""
+        if seq.options.breakpoints and self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
+            return breakpoint_writes(seq.options.breakpoints, len(seq.prompt_ids), cached_tokens)
+        return {}
 
     def _admission_order(self) -> tuple[list[Sequence], dict[int, int]]:
         """The waiting sequences in admission order, and {id(seq): cached tokens} where that was looked up."""
@@ -257,8 +272,7 @@ class Scheduler:
             usage.chunk_tokens_stored, usage.chunk_tokens_present = self.blender.register(seq, reused)
         cached = usage.cached_tokens or 0
         usage.cache_write_tokens = self.blocks.stored_prompt_tokens(seq, cached)
-        if seq.options.breakpoints and self.blocks.enable_prefix_cache and seq.uses_prefix_cache:
-            usage.breakpoint_write_tokens = breakpoint_writes(seq.options.breakpoints, len(seq.prompt_ids), cached)
+        usage.breakpoint_write_tokens = self.breakpoint_writes(seq, cached)
         self.blocks.pin_breakpoints(seq, self.now)
         return True
 

@@ -7,6 +7,7 @@ import argparse
 import math
 import re
 
+from reuse_server.api.settings import DEFAULT_SSE_KEEPALIVE
 from reuse_server.engine.config import ACTIVATION_DTYPES, ATTENTION_BACKENDS, EngineConfig, cuda_graphs_problem
 from reuse_server.engine.watchdog import DEFAULT_STEP_TIMEOUT
 from reuse_server.kv.layout import KV_DTYPE_CHOICES
@@ -390,6 +391,10 @@ def add_serve_parser(commands) -> None:
     service.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                          help="abort a request this long after it arrived and answer 408 (a stream ends with "
                               "an error event) (default: none, no limit)")
+    service.add_argument("--sse-keepalive", type=non_negative_float, default=DEFAULT_SSE_KEEPALIVE, metavar="SECONDS",
+                         help="a stream silent this long (a long prompt being computed) sends a keepalive: "
+                              "Anthropic's ping event on /v1/messages, an SSE comment on OpenAI's streams "
+                              "(0: none)")
     service.add_argument("--response-store-count", type=int, default=10_000, metavar="N",
                          help="POST /v1/responses with store: keep at most this many responses in memory "
                               "(the oldest go first)")

@@ -116,7 +116,8 @@ def serve(args: argparse.Namespace) -> int:
     from reuse_server.api.response_store import ResponseStore
     responses = ResponseStore(args.response_store_count, args.response_store_size, args.redis_url,
                               int(args.response_store_ttl), args.redis_timeout or 2.0)
-    settings = ServerSettings(api_keys=keys, request_timeout=args.request_timeout, responses=responses)
+    settings = ServerSettings(api_keys=keys, request_timeout=args.request_timeout, responses=responses,
+                              sse_keepalive=args.sse_keepalive or None)
     app = create_app(engine, wire_metrics(engine), settings=settings)
     # ws="none": no route takes a WebSocket, and uvicorn would otherwise import the websockets library
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, ws="none")

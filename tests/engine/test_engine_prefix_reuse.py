@@ -216,3 +216,32 @@ def test_a_request_waits_with_budget_left_only_while_its_block_is_being_computed
             finished[out.request_id] = out
     assert finished["follower"].cached_tokens == 40
     assert engine.snapshot()["in_use_blocks"] == 0
+
+
+def test_admission_is_reported_once_before_the_prompt_is_computed_with_its_prefix_match(checkpoint):
+    """Streams that answer before the first token (Anthropic's message_start) read the engine's Admission: it
+    comes on the step that admits a request, steps before a chunked prefill's first output, once, with the
+    cached tokens the last output reports; a precompute samples nothing and is not reported."""
+    engine = make_engine(checkpoint, max_num_batched_tokens=8)  # 20 uncached tokens take 3 steps
+    admissions = []
+    engine.on_admitted = admissions.append
+    rng = random.Random(11)
+    shared = [rng.randrange(3, engine.vocab_size) for _ in range(22)]
+    run_to_end(engine, [("warm", shared + [5, 6])])
+    admissions.clear()
+    engine.precompute("chunks", shared + [7], CacheOptions(chunk_spans=[(0, 23)]))
+    engine.add_request("r", shared + [rng.randrange(3, engine.vocab_size) for _ in range(20)],
+                       SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    admitted_at = first_output_at = last = None
+    step = 0
+    while engine.has_work():
+        step += 1
+        for out in engine.step():
+            if out.request_id == "r":
+                first_output_at, last = first_output_at or step, out
+        if admissions and admitted_at is None:
+            admitted_at = step
+    assert [a.request_id for a in admissions] == ["r"]
+    (admission,) = admissions
+    assert admitted_at < first_output_at
+    assert admission.cached_tokens == last.cached_tokens == 22 and admission.num_prompt_tokens == 42
