@@ -37,7 +37,7 @@ serve: $(STAMP)
 	$(VENV)/bin/reuse-server serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: $(STAMP) redis-server aiperf agents
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # The Redis tier's tests run against a real redis-server (Debian's), which they start on a free port.
 redis-server:
