@@ -259,8 +259,14 @@ class Blender:
         job.probed = True
         tail = list(range(int(job.reused.nonzero()[-1]) + 1, seq.num_tokens))
         job.probe = torch.zeros(seq.num_tokens, dtype=torch.float32)
-        return tail, QuestionProbe(self.pool, torch.tensor(seq.block_table), seq.num_tokens, torch.tensor(tail),
-                                   self.attention_scale, self.num_layers, job.probe)
+        # the KV the probe may read: the exact prefix hit, the reused chunks and the tail it computes; the gaps
+        # between chunks are not computed yet, and their slots hold whatever the blocks held before
+        ready = job.reused.clone()
+        ready[:seq.num_computed] = True
+        ready[tail] = True
+        return tail, QuestionProbe(self.pool, torch.tensor(seq.block_table), seq.num_tokens,
+                                   ready.nonzero().squeeze(1), len(tail), self.attention_scale, self.num_layers,
+                                   job.probe)
 
     def selection(self, seq: Sequence, start: int, num_tokens: int) -> "SliceSelection":
         """The rows the layers compute for seq's prompt tokens start .. start + num_tokens - 1 this step."""
@@ -427,23 +433,25 @@ class SliceSelection:
 
 class QuestionProbe(RowSelection):
     """A forward of the prompt's tail (the question) over the reused KV as it stands, which adds the
-    attention mass it pays each prompt position, summed over layers, to `mass`. The tail's K/V it writes is
-    rewritten by the blended pass."""
+    attention mass it pays each prompt position, summed over layers, to `mass`. It attends only over `ready`
+    (the positions whose KV is there: the prefix hit, the reused chunks, the tail itself, which ends it); the
+    tail's K/V it writes is rewritten by the blended pass."""
 
-    def __init__(self, pool: KVPool, block_table: torch.Tensor, context: int, tail: torch.Tensor, scale: float,
-                 num_layers: int, mass: torch.Tensor):
+    def __init__(self, pool: KVPool, block_table: torch.Tensor, context: int, ready: torch.Tensor, tail: int,
+                 scale: float, num_layers: int, mass: torch.Tensor):
         self.pool = pool
         self.table = block_table
         self.context = context
+        self.ready = ready
         self.tail = tail
         self.scale = scale
         self.last_layer = num_layers - 1
         self.mass = mass
-        self.key_positions = torch.arange(context)
 
     def rows(self, layer, q, k, v, meta):
-        keys = self.pool.gather(layer, self.table, self.context)[0].clone()
-        keys[self.tail.to(keys.device)] = k.to(keys.dtype)  # the tail sees its own fresh keys
-        self.mass += query_attention(q, keys, self.tail, self.key_positions, self.scale).cpu()
+        if self.tail:
+            keys = self.pool.gather(layer, self.table, self.context)[0][self.ready.to(self.pool.device)]
+            keys[-self.tail:] = k.to(keys.dtype)  # the tail sees its own fresh keys
+            self.mass[self.ready] += query_attention(q, keys, self.ready[-self.tail:], self.ready, self.scale).cpu()
         # nothing reads the last layer's output
         return torch.empty(0, dtype=torch.long) if layer == self.last_layer else None
