@@ -8,11 +8,12 @@ Recordings live in memory only: an agent's requests carry its owner's prompts, w
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -161,16 +162,21 @@ class RecordingProxy:
             exchange.status = response.status_code
             exchange.response_headers = dict(response.headers)
             streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+            gone = asyncio.ensure_future(_disconnected(receive))
             try:
                 await send({"type": "http.response.start", "status": response.status_code,
                             "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in _NOT_FORWARDED]})
-                async for chunk in response.aiter_bytes():
+                async for chunk in _until(response.aiter_bytes(), gone):
                     chunks.append(chunk)
                     if streamed:
                         clock.read(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+                if not gone.done():
+                    await send({"type": "http.response.body", "body": b""})
             finally:
+                gone.cancel()
+                # closing the upstream response mid-body closes its connection: a client that left is gone for
+                # the server too, which then aborts the request and frees what it held, as without the proxy
                 await response.aclose()
                 exchange.e2e_s = time.perf_counter() - clock.sent
                 # a whole (unstreamed) answer reaches the client with its last byte
@@ -179,6 +185,29 @@ class RecordingProxy:
             exchange.response_body = exchange.response_body or b"".join(chunks)
             with self._lock:
                 self.exchanges.append(exchange)
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (ASGI's http.disconnect, once the request body is read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until(chunks: AsyncIterator[bytes], gone: asyncio.Future) -> AsyncIterator[bytes]:
+    """`chunks` until they end or `gone` is done, whichever comes first (a long prefill sends nothing for
+    minutes: waiting for the next chunk to find the client gone would keep the server computing for no one)."""
+    chunks = aiter(chunks)
+    while True:
+        following = asyncio.ensure_future(anext(chunks))
+        await asyncio.wait({following, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not following.done():
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+            return
+        try:
+            yield following.result()
+        except StopAsyncIteration:
+            return
 
 
 def _free_port() -> int:

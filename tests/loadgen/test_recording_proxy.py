@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from loadgen.recording_proxy import recording_proxy
-from server_process import running_server
+from server_process import metric, running_server, scrape, wait_idle
 
 pytestmark = pytest.mark.server  # starts a server (or a subprocess that does)
 
@@ -82,3 +82,24 @@ def test_errors_are_passed_through_and_recorded(server):
         assert httpx.get(url + "/v1/models").status_code == 502
         (exchange,) = proxy.snapshot()
     assert exchange.status is None and b"unreachable" in exchange.response_body
+
+
+def test_a_client_that_leaves_mid_stream_is_gone_for_the_server_too(server):
+    """The proxy stops reading the server's stream when its client leaves and closes the upstream connection,
+    so the server aborts the request and frees its blocks (as tests/api/test_disconnects.py checks without a
+    proxy) instead of generating the whole answer for no one."""
+    before = wait_idle(server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with recording_proxy(server) as (url, proxy):
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert [next(lines) for _ in range(3)][0].startswith("data: ")
+                assert metric(scrape(server), "kvreuse_requests_running") == 1
+        after = wait_idle(server)  # leaving the block closed the connection mid-stream
+        recorded = proxy.snapshot()
+    assert metric(after, "kvreuse_requests_total", finish_reason="abort") - \
+        metric(before, "kvreuse_requests_total", finish_reason="abort") == 1
+    assert metric(after, "kvreuse_generation_tokens_total") - metric(before, "kvreuse_generation_tokens_total") < 4000
+    assert metric(after, "kvreuse_kv_blocks", state="in_use") == 0
+    assert len(recorded) == 1 and recorded[0].status == 200 and b"[DONE]" not in recorded[0].response_body
