@@ -100,6 +100,9 @@ def replay(request, tmp_path_factory) -> Replay:
             code = cli.main(["run", "--server", proxy_url, "--workload", name, "--out", str(out), "--compare",
                              "--turns", str(TURNS), "--sessions", str(SESSIONS), "--concurrency", str(SESSIONS),
                              "--warmup", "0", "--no-plots", "--no-progress", "--output-tokens", "16",
+                             # the tests count every step: no phase may be cut by the time bound (300 s by
+                             # default), which a busy 2-core machine reached in Claude Code's replay
+                             "--duration", "800",
                              "--keep-recording", str(kept)])
         after = wait_idle(url)
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
